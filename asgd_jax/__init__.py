@@ -1,0 +1,51 @@
+"""asgd_jax: asynchronous SGD in JAX.
+
+Update rules (DC-ASGD and neighbours) as optax transforms, one pure parameter-server step, a deterministic staleness
+simulator that runs many asynchronous runs as one compiled program, and (later) a multi-device trainer that shares the
+same server step.
+
+Example:
+  >>> import asgd_jax
+  >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=2.0, adaptive=True)
+"""
+
+from asgd_jax import checkpoint, data, delays, models, server
+from asgd_jax.models import classification_eval, classification_loss
+from asgd_jax.rules import (
+    ScaleByDelayCompensationState,
+    asgd,
+    dc_asgd,
+    delay_adaptive_sgd,
+    drop_stale,
+    scale_by_delay_adaptive,
+    scale_by_delay_compensation,
+    scale_by_staleness,
+    staleness_aware_sgd,
+)
+from asgd_jax.simulator import SimState, SimulationResult, grid, simulate, sweep
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ScaleByDelayCompensationState",
+    "SimState",
+    "SimulationResult",
+    "asgd",
+    "checkpoint",
+    "classification_eval",
+    "classification_loss",
+    "data",
+    "dc_asgd",
+    "delay_adaptive_sgd",
+    "delays",
+    "drop_stale",
+    "grid",
+    "models",
+    "scale_by_delay_adaptive",
+    "scale_by_delay_compensation",
+    "scale_by_staleness",
+    "server",
+    "simulate",
+    "staleness_aware_sgd",
+    "sweep",
+]

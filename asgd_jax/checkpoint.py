@@ -1,0 +1,71 @@
+"""Atomic checkpoints of pytrees of arrays.
+
+A checkpoint is one ``.npz`` file holding the leaves of a state pytree plus named host arrays and a JSON header. It
+is written to a temporary file in the same folder and moved into place with :func:`os.replace`, so a process killed
+mid-write leaves the previous checkpoint intact. Loading restores the leaves into the structure of a template (a
+freshly initialised state), which also checks that shapes and dtypes still fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["load", "save"]
+
+_HEADER = "__header__"
+
+
+def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+    """Writes ``state`` (a pytree of arrays), extra host ``arrays`` and a JSON ``header`` atomically to ``path``."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    leaves = jax.device_get(jax.tree.leaves(state))
+    payload = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
+    payload.update({f"array_{k}": np.asarray(v) for k, v in arrays.items()})
+    payload[_HEADER] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
+    """Reads a checkpoint written by :func:`save` into the structure of ``template``.
+
+    Returns:
+      ``(state, arrays, header)``.
+
+    Raises:
+      ValueError: when the file does not fit the template (another model, worker count or rule).
+    """
+    with np.load(os.fspath(path)) as f:
+        header = json.loads(bytes(f[_HEADER]).decode())
+        leaves = [f[k] for k in sorted(k for k in f.files if k.startswith("leaf_"))]
+        arrays = {k[len("array_") :]: f[k] for k in f.files if k.startswith("array_")}
+    template_leaves, treedef = jax.tree.flatten(template)
+    if len(leaves) != len(template_leaves):
+        raise ValueError(
+            f"Checkpoint {path} holds {len(leaves)} arrays but this run's state has {len(template_leaves)}: it was "
+            "written by a different configuration. Use another checkpoint_dir or delete the old checkpoint."
+        )
+    for i, (got, want) in enumerate(zip(leaves, template_leaves, strict=True)):
+        if got.shape != np.shape(want) or got.dtype != np.asarray(want).dtype:
+            raise ValueError(
+                f"Checkpoint {path} leaf {i} is {got.dtype}{list(got.shape)} but this run needs "
+                f"{np.asarray(want).dtype}{list(np.shape(want))}: it was written by a different configuration."
+            )
+    return jax.tree.unflatten(treedef, leaves), arrays, header

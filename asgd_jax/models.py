@@ -1,0 +1,217 @@
+"""Models by name, behind one pure protocol the engines use.
+
+Every model is a :class:`Model` with ``init(key) -> (params, model_state)`` and
+``apply(params, model_state, x, train=False, key=None) -> (logits, model_state)``; ``model_state`` holds the non-trained
+collections (BatchNorm statistics) and is an empty dict for models without any. The flax modules underneath are an
+implementation detail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = [
+    "MODELS",
+    "Model",
+    "accuracy",
+    "classification_eval",
+    "classification_loss",
+    "cross_entropy",
+    "get",
+]
+
+Params = Any
+ModelState = dict[str, Any]
+
+
+class MLP(nn.Module):
+    """Flatten, then ReLU dense layers."""
+
+    num_classes: int
+    hidden: Sequence[int] = (128, 128)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        x = x.reshape((x.shape[0], -1))
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+class CNN(nn.Module):
+    """Two conv + max-pool stages and a dense head; works on 1-D (length, channels) and 2-D (h, w, channels) inputs."""
+
+    num_classes: int
+    features: Sequence[int] = (16, 32)
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        spatial = x.ndim - 2
+        for width in self.features:
+            x = nn.relu(nn.Conv(width, kernel_size=(3,) * spatial, padding="SAME")(x))
+            x = nn.max_pool(x, window_shape=(2,) * spatial, strides=(2,) * spatial, padding="SAME")
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model as pure functions.
+
+    Attributes:
+      name: the name it was built by.
+      module: the flax module underneath.
+      input_shape: shape of one example (no batch axis).
+      num_classes: number of output logits.
+    """
+
+    name: str
+    module: nn.Module
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def init(self, key: jax.Array) -> tuple[Params, ModelState]:
+        """Returns ``(params, model_state)`` for a batch-of-one dummy input."""
+        dummy = jnp.zeros((1, *self.input_shape), jnp.float32)
+        variables = self.module.init({"params": key, "dropout": key}, dummy, train=False)
+        variables = dict(variables)
+        params = variables.pop("params")
+        return params, variables
+
+    def apply(
+        self,
+        params: Params,
+        model_state: ModelState,
+        x: jax.Array,
+        train: bool = False,
+        key: jax.Array | None = None,
+    ) -> tuple[jax.Array, ModelState]:
+        """Returns ``(logits, new_model_state)``; in training mode the non-param collections are updated."""
+        variables = {"params": params, **model_state}
+        rngs = {"dropout": key} if key is not None else None
+        if train and model_state:
+            logits, updated = self.module.apply(variables, x, train=True, rngs=rngs, mutable=list(model_state))
+            return logits, dict(updated)
+        logits = self.module.apply(variables, x, train=train, rngs=rngs)
+        return logits, model_state
+
+    def num_params(self, params: Params) -> int:
+        """Number of trainable scalars."""
+        return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": MLP, "cnn": CNN}
+"""Model constructors by name; each takes ``num_classes`` and its own keyword options."""
+
+
+def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: Any) -> Model:
+    """Builds a model by name.
+
+    Args:
+      name: ``"mlp"`` or ``"cnn"``.
+      num_classes: number of classes (> 1).
+      input_shape: shape of one example, channels last: ``(8, 8, 1)`` for digits, ``(40, 1)`` for mnist1d.
+      **options: forwarded to the module (``hidden=`` for ``mlp``; ``features=``, ``hidden=`` for ``cnn``).
+
+    Returns:
+      A :class:`Model`.
+
+    Example:
+      >>> import jax, asgd_jax
+      >>> model = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
+      >>> params, state = model.init(jax.random.key(0))
+      >>> logits, _ = model.apply(params, state, jax.numpy.zeros((5, 8, 8, 1)))
+      >>> logits.shape
+      (5, 10)
+    """
+    if name not in MODELS:
+        raise ValueError(f"Unknown model {name!r}. Known models: {', '.join(sorted(MODELS))}.")
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"num_classes={num_classes!r} is invalid: use an int >= 2.")
+    input_shape = tuple(int(d) for d in input_shape)
+    if not input_shape or any(d < 1 for d in input_shape):
+        raise ValueError(f"input_shape={input_shape!r} is invalid: give the shape of one example, e.g. (8, 8, 1).")
+    if name == "cnn" and len(input_shape) not in (2, 3):
+        raise ValueError(
+            f"input_shape={input_shape!r} does not fit 'cnn': it takes (length, channels) or (height, width, channels)."
+        )
+    return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy with integer labels."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Fraction of examples whose arg-max logit is the label."""
+    return (jnp.argmax(logits, axis=-1) == labels).mean()
+
+
+def classification_loss(model: Model) -> Callable:
+    """The training loss of ``model`` in the simulator's stateful form.
+
+    Returns:
+      ``loss_fn(params, model_state, batch, key) -> (loss, (model_state, {"error": error}))`` for a batch
+      ``{"x": inputs, "y": int labels}``; ``key`` drives dropout, ``error`` is the minibatch's training error.
+
+    Example:
+      >>> import jax, asgd_jax
+      >>> ds = asgd_jax.data.load("digits")
+      >>> model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
+      >>> params, state = model.init(jax.random.key(0))
+      >>> loss, (state, aux) = asgd_jax.classification_loss(model)(params, state, ds.test, jax.random.key(1))
+      >>> float(loss) > 2.0, sorted(aux)
+      (True, ['error'])
+    """
+
+    def loss_fn(params, model_state, batch, key):
+        logits, model_state = model.apply(params, model_state, batch["x"], train=True, key=key)
+        return cross_entropy(logits, batch["y"]), (
+            model_state,
+            {"error": 1.0 - accuracy(logits, batch["y"])},
+        )
+
+    return loss_fn
+
+
+def classification_eval(model: Model, data: dict[str, Any], batch_size: int = 1024) -> Callable:
+    """An ``eval_fn(params, model_state) -> {"loss", "error"}`` over a whole held-out split, in inference mode.
+
+    The split is evaluated in fixed-size batches (``lax.map``), the remainder in one smaller batch, so memory stays
+    bounded and nothing recompiles.
+    """
+    x, y = jnp.asarray(data["x"]), jnp.asarray(data["y"])
+    n = int(y.shape[0])
+    if n == 0:
+        raise ValueError("classification_eval got an empty split: give at least one example.")
+    size = min(batch_size, n)
+    full = n // size
+
+    def sums(params, model_state, xb, yb):
+        logits, _ = model.apply(params, model_state, xb, train=False)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+        return losses.sum(), (jnp.argmax(logits, -1) != yb).sum()
+
+    def eval_fn(params, model_state):
+        xs = x[: full * size].reshape(full, size, *x.shape[1:])
+        ys = y[: full * size].reshape(full, size)
+        loss, wrong = jax.lax.map(lambda b: sums(params, model_state, *b), (xs, ys))
+        loss, wrong = loss.sum(), wrong.sum()
+        if full * size < n:
+            rest_loss, rest_wrong = sums(params, model_state, x[full * size :], y[full * size :])
+            loss, wrong = loss + rest_loss, wrong + rest_wrong
+        return {"loss": loss / n, "error": wrong.astype(jnp.float32) / n}
+
+    return eval_fn

@@ -1,0 +1,411 @@
+"""Update rules for asynchronous SGD as optax transforms.
+
+Every rule here is an :class:`optax.GradientTransformationExtraArgs`. The parameter server calls
+
+    ``updates, state = rule.update(grads, state, params, stale_params=..., staleness=..., worker=...)``
+
+where ``params`` are the server's current weights w_t, ``stale_params`` the weights the gradient was computed at
+(DC-ASGD's backup w_bak(m)), ``staleness`` an int32 scalar (server updates since that pull) and ``worker`` the int32 id
+of the pushing worker. A rule takes what it needs as keyword-only arguments, so forgetting one raises a ``TypeError``
+that names it, and swallows the rest in ``**extra_args``. Rules compose with :func:`optax.chain` and stay valid inside
+``jit``, ``vmap``, ``lax.scan`` and :func:`optax.inject_hyperparams` (numeric hyperparameters may arrive traced, so no
+Python branching on them; ``num_workers`` of :func:`scale_by_delay_compensation` sets a state shape and must be passed
+in ``static_args`` there).
+
+Naming follows optax: ``scale_by_<x>`` only rescales the incoming gradient; ``<x>(learning_rate, ...)`` chains it with
+:func:`optax.sgd`, so the learning rate (a float or an optax schedule counting server updates), momentum and Nesterov
+come from optax itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "ScaleByDelayCompensationState",
+    "asgd",
+    "dc_asgd",
+    "delay_adaptive_sgd",
+    "drop_stale",
+    "scale_by_delay_adaptive",
+    "scale_by_delay_compensation",
+    "scale_by_staleness",
+    "staleness_aware_sgd",
+]
+
+ScalarOrSchedule = float | jax.Array | optax.Schedule
+
+
+def _is_concrete(value: Any) -> bool:
+    """True when ``value`` can be checked in Python (not a tracer from jit/vmap/inject_hyperparams)."""
+    return not isinstance(value, jax.core.Tracer)
+
+
+def _require(name: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {name} must be {expected}.")
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if _is_concrete(value):
+        _require(name, value, bool(np.all(np.asarray(value) >= 0)), ">= 0")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if _is_concrete(value):
+        _require(name, value, bool(np.all(np.asarray(value) > 0)), "> 0")
+
+
+def _check_decay(name: str, value: Any) -> None:
+    if _is_concrete(value):
+        v = np.asarray(value)
+        _require(name, value, bool(np.all((v >= 0) & (v < 1))), "in [0, 1)")
+
+
+def _check_num_workers(name: str, value: Any, *, static: bool) -> None:
+    if static and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ValueError(
+            f"{name}={value!r} is invalid: it sets the shape of the per-worker state, so it must be a Python int "
+            f"(under optax.inject_hyperparams pass static_args=({name!r},))."
+        )
+    if _is_concrete(value):
+        _require(name, value, bool(np.all(np.asarray(value) >= 1)), ">= 1")
+
+
+def _sgd(learning_rate: ScalarOrSchedule, momentum: float | None, nesterov: bool) -> optax.GradientTransformation:
+    if momentum is not None:
+        _check_decay("momentum", momentum)
+    if _is_concrete(learning_rate) and not callable(learning_rate):
+        _check_nonnegative("learning_rate", learning_rate)
+    return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# DC-ASGD (Zheng et al., ICML 2017)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ScaleByDelayCompensationState(NamedTuple):
+    """State of :func:`scale_by_delay_compensation`.
+
+    Attributes:
+      mean_square: DC-ASGD-a's ``MeanSquare`` accumulator, a tree like the params (global, as in the paper) or with a
+        leading axis of size ``num_workers`` (one per worker, as in the authors' server code). ``None`` for DC-ASGD-c,
+        which keeps no state.
+    """
+
+    mean_square: optax.Updates | None
+
+
+def scale_by_delay_compensation(
+    lam: float | jax.Array = 0.04,
+    *,
+    adaptive: bool | jax.Array = False,
+    mean_square_decay: float | jax.Array = 0.95,
+    eps: float | jax.Array = 1e-7,
+    num_workers: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Compensates a stale gradient with DC-ASGD's cheap Taylor term.
+
+    .. math::
+        \tilde g = g + \lambda_t \, g \odot g \odot (w_t - w_{bak}(m))
+
+    (Zheng et al. 2017, Eq. 10, without the learning rate). DC-ASGD-c uses :math:`\lambda_t = \lambda_0`;
+    DC-ASGD-a (``adaptive=True``) first updates :math:`MS \leftarrow m\,MS + (1 - m)\,g \odot g` with the incoming
+    gradient and then uses :math:`\lambda_t = \lambda_0 / \sqrt{MS + \epsilon}` elementwise. With ``lam = 0`` or
+    ``stale_params == params`` the gradient passes through unchanged.
+
+    Args:
+      lam: :math:`\lambda_0 \ge 0`; the paper uses 0.04 for DC-ASGD-c and 2 for DC-ASGD-a on CIFAR-10.
+      adaptive: ``True`` for DC-ASGD-a. May also be a (traced) boolean array, so that DC-ASGD-c and -a runs share
+        one compiled program in a :func:`asgd_jax.sweep`; ``MeanSquare`` is then always kept.
+      mean_square_decay: the momentum ``m`` of ``MeanSquare``, in [0, 1) (paper: 0.95).
+      eps: :math:`\epsilon > 0` inside the square root (paper: 1e-7).
+      num_workers: ``None`` keeps one global ``MeanSquare`` (the paper); an int keeps one per worker, indexed by the
+        ``worker`` extra argument and updated only with that worker's gradients (the authors' server code).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose ``update`` requires ``stale_params`` (and ``worker`` when
+      ``num_workers`` is given).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.scale_by_delay_compensation(lam=0.5)
+      >>> w_t, w_bak, g = jnp.array([1.0, 2.0]), jnp.array([0.0, 2.0]), jnp.array([2.0, 3.0])
+      >>> updates, _ = rule.update(g, rule.init(w_t), w_t, stale_params=w_bak)
+      >>> updates  # [2 + 0.5 * 4 * 1, 3 + 0]
+      Array([4., 3.], dtype=float32)
+
+    References:
+      Zheng et al., "Asynchronous Stochastic Gradient Descent with Delay Compensation", ICML 2017, Eq. 10 and
+      Algorithm 2.
+    """
+    _check_nonnegative("lam", lam)
+    _check_decay("mean_square_decay", mean_square_decay)
+    _check_positive("eps", eps)
+    if num_workers is not None:
+        _check_num_workers("num_workers", num_workers, static=True)
+    # A Python bool decides the structure; an array decides per run, inside the program.
+    keeps_mean_square = not isinstance(adaptive, bool) or adaptive
+    per_worker = keeps_mean_square and num_workers is not None
+
+    def init_fn(params):
+        if not keeps_mean_square:
+            return ScaleByDelayCompensationState(mean_square=None)
+        if per_worker:
+            zeros = lambda p: jnp.zeros((num_workers, *jnp.shape(p)), jnp.result_type(p))
+        else:
+            zeros = lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p))
+        return ScaleByDelayCompensationState(mean_square=jax.tree.map(zeros, params))
+
+    def update_fn(updates, state, params=None, *, stale_params, worker=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError(
+                "scale_by_delay_compensation needs the server's current weights: call "
+                "update(grads, state, params, stale_params=...)."
+            )
+        if per_worker and worker is None:
+            raise TypeError(
+                "scale_by_delay_compensation(num_workers=...) keeps MeanSquare per worker: pass worker=<int32 id>."
+            )
+
+        def correction(g, w, w_bak, lam_t):
+            # Cast back so a float32 hyperparameter never promotes a bf16 gradient.
+            return (g + lam_t * g * g * (w - w_bak)).astype(g.dtype)
+
+        if not keeps_mean_square:
+            new = jax.tree.map(lambda g, w, wb: correction(g, w, wb, lam), updates, params, stale_params)
+            return new, state
+
+        def new_mean_square(ms, g):
+            # m * ms + (1 - m) * g^2, written with m alone so a traced m (inject_hyperparams) rounds like a float one.
+            g2 = g * g
+            return g2 + mean_square_decay * (ms - g2)
+
+        if per_worker:
+            ms_w = jax.tree.map(lambda ms, g: new_mean_square(ms[worker], g), state.mean_square, updates)
+            mean_square = jax.tree.map(lambda ms, m: ms.at[worker].set(m.astype(ms.dtype)), state.mean_square, ms_w)
+        else:
+            ms_w = jax.tree.map(new_mean_square, state.mean_square, updates)
+            mean_square = jax.tree.map(lambda ms, m: m.astype(ms.dtype), state.mean_square, ms_w)
+        adaptive_lam = lambda ms: jnp.where(adaptive, lam / jnp.sqrt(ms + eps), lam)
+        new = jax.tree.map(
+            lambda g, w, wb, ms: correction(g, w, wb, adaptive_lam(ms)),
+            updates,
+            params,
+            stale_params,
+            ms_w,
+        )
+        return new, ScaleByDelayCompensationState(mean_square=mean_square)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dc_asgd(
+    learning_rate: ScalarOrSchedule,
+    lam: float | jax.Array = 0.04,
+    *,
+    adaptive: bool | jax.Array = False,
+    mean_square_decay: float | jax.Array = 0.95,
+    eps: float | jax.Array = 1e-7,
+    num_workers: int | None = None,
+    momentum: float | None = None,
+    nesterov: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""DC-ASGD: delay-compensated asynchronous SGD.
+
+    .. math::
+        w_{t+1} = w_t - \eta_t \left(g_m + \lambda_t\, g_m \odot g_m \odot (w_t - w_{bak}(m))\right)
+
+    The compensation (:func:`scale_by_delay_compensation`) is applied to the raw gradient, before momentum; with
+    ``momentum`` the compensated gradient feeds optax's heavy-ball (or Nesterov) trace. Any weight decay chained
+    *before* this rule (``optax.chain(optax.add_decayed_weights(wd), dc_asgd(...))``) is compensated too; chained
+    after the compensation it is not.
+
+    Args:
+      learning_rate: a float or an optax schedule over server updates (paper CIFAR-10: 0.5, divided by 10 at epochs
+        80 and 120).
+      lam: :math:`\lambda_0` (paper: 0.04 for DC-ASGD-c, 2 for DC-ASGD-a).
+      adaptive: ``True`` for DC-ASGD-a.
+      mean_square_decay: ``m`` of DC-ASGD-a's ``MeanSquare``.
+      eps: :math:`\epsilon` of DC-ASGD-a.
+      num_workers: keep ``MeanSquare`` per worker (see :func:`scale_by_delay_compensation`).
+      momentum: optional heavy-ball momentum in [0, 1).
+      nesterov: Nesterov momentum.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose ``update`` requires ``stale_params``.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=0.5)
+      >>> w_t, w_bak, g = jnp.array([1.0, 2.0]), jnp.array([0.0, 2.0]), jnp.array([2.0, 3.0])
+      >>> updates, _ = rule.update(g, rule.init(w_t), w_t, stale_params=w_bak)
+      >>> updates
+      Array([-0.4, -0.3], dtype=float32)
+
+    References:
+      Zheng et al., "Asynchronous Stochastic Gradient Descent with Delay Compensation", ICML 2017, Eq. 10.
+    """
+    return optax.chain(
+        scale_by_delay_compensation(
+            lam,
+            adaptive=adaptive,
+            mean_square_decay=mean_square_decay,
+            eps=eps,
+            num_workers=num_workers,
+        ),
+        _sgd(learning_rate, momentum, nesterov),
+    )
+
+
+def asgd(
+    learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
+) -> optax.GradientTransformationExtraArgs:
+    r"""Plain asynchronous SGD: applies whatever gradient arrives, however stale.
+
+    .. math::
+        w_{t+1} = w_t - \eta_t\, g(w_{t-\tau})
+
+    Args:
+      learning_rate: a float or an optax schedule over server updates.
+      momentum: optional heavy-ball momentum in [0, 1).
+      nesterov: Nesterov momentum.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` that ignores every extra argument.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.asgd(0.1)
+      >>> w = jnp.array([1.0, 2.0])
+      >>> updates, _ = rule.update(jnp.array([2.0, 3.0]), rule.init(w), w, stale_params=w, staleness=3)
+      >>> updates
+      Array([-0.2, -0.3], dtype=float32)
+    """
+    return optax.with_extra_args_support(_sgd(learning_rate, momentum, nesterov))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Staleness-dependent step sizes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _scale_by(factor_fn) -> optax.GradientTransformationExtraArgs:
+    """A stateless rule multiplying every leaf of the update by ``factor_fn(staleness)``."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, *, staleness, **extra_args):
+        del params, extra_args
+        factor = factor_fn(jnp.asarray(staleness))
+        return jax.tree.map(lambda g: (factor * g).astype(g.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_by_staleness() -> optax.GradientTransformationExtraArgs:
+    r"""Divides the gradient by its staleness (Zhang et al. 2016); staleness 0 counts as 1.
+
+    .. math::
+        \tilde g = g / \max(\tau, 1)
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose ``update`` requires ``staleness``.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.scale_by_staleness()
+      >>> rule.update(jnp.array([4.0]), rule.init(None), staleness=4)[0]
+      Array([1.], dtype=float32)
+
+    References:
+      Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016.
+    """
+    return _scale_by(lambda tau: 1.0 / jnp.maximum(tau, 1).astype(jnp.float32))
+
+
+def staleness_aware_sgd(
+    learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
+) -> optax.GradientTransformationExtraArgs:
+    r"""SGD with the staleness-aware step :math:`\alpha_0 / \max(\tau, 1)` (Zhang et al. 2016).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.staleness_aware_sgd(0.5)
+      >>> rule.update(jnp.array([4.0]), rule.init(jnp.zeros(1)), staleness=2)[0]
+      Array([-1.], dtype=float32)
+    """
+    return optax.chain(scale_by_staleness(), _sgd(learning_rate, momentum, nesterov))
+
+
+def scale_by_delay_adaptive(num_workers: int | jax.Array) -> optax.GradientTransformationExtraArgs:
+    r"""Scales the step by :math:`\min(1, M / \tau)`: full steps unless the delay exceeds the worker count.
+
+    This is the delay-adaptive step size of Mishchenko, Bach, Even and Woodworth (NeurIPS 2022), whose rates depend on
+    the number of workers M rather than the worst delay.
+
+    Args:
+      num_workers: M >= 1 (may be traced).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.scale_by_delay_adaptive(4)
+      >>> rule.update(jnp.array([8.0]), rule.init(None), staleness=16)[0]
+      Array([2.], dtype=float32)
+    """
+    _check_num_workers("num_workers", num_workers, static=False)
+
+    def factor(tau):
+        # Where tau <= M the step is full; the maximum only guards the division at tau = 0.
+        m = jnp.asarray(num_workers, jnp.float32)
+        return jnp.minimum(1.0, m / jnp.maximum(tau, 1).astype(jnp.float32))
+
+    return _scale_by(factor)
+
+
+def delay_adaptive_sgd(
+    learning_rate: ScalarOrSchedule,
+    num_workers: int | jax.Array,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""SGD with the delay-adaptive step :math:`\eta \min(1, M/\tau)` (Mishchenko et al. 2022).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.delay_adaptive_sgd(0.5, num_workers=2)
+      >>> rule.update(jnp.array([4.0]), rule.init(jnp.zeros(1)), staleness=8)[0]
+      Array([-0.5], dtype=float32)
+    """
+    return optax.chain(scale_by_delay_adaptive(num_workers), _sgd(learning_rate, momentum, nesterov))
+
+
+def drop_stale(max_staleness: int | jax.Array) -> optax.GradientTransformationExtraArgs:
+    r"""Zeroes an update whose staleness exceeds ``max_staleness`` (TensorFlow's old DropStaleGradientOptimizer).
+
+    .. math::
+        \tilde g = g \cdot [\tau \le k]
+
+    Chain it in front of any rule: ``optax.chain(asgd_jax.drop_stale(4), asgd_jax.asgd(0.1))``.
+
+    Args:
+      max_staleness: k >= 0 (may be traced).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.drop_stale(2)
+      >>> rule.update(jnp.array([1.0]), rule.init(None), staleness=3)[0]
+      Array([0.], dtype=float32)
+    """
+    _check_nonnegative("max_staleness", max_staleness)
+    return _scale_by(lambda tau: (tau <= max_staleness).astype(jnp.float32))

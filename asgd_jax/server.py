@@ -1,0 +1,127 @@
+"""The parameter server as pure functions: the one place its semantics live.
+
+DC-ASGD's Algorithm 2, generalised to any rule:
+
+* ``pull(state, slot)``: record a snapshot of the current weights (and model state) and the version in ``slot``
+  (worker m's backup w_bak(m)); the worker then computes at exactly those weights.
+* ``push(rule, state, slot, grads)``: apply the pushed payload with the rule, passing ``params`` = w_t,
+  ``stale_params`` = the slot's backup, ``staleness`` = versions since that snapshot and ``worker`` = the slot; then
+  advance the version.
+
+The simulator scans these functions; the trainer's parameter store jits the very same ones on the host. Backups start
+at w_0 (not zeros) and are snapshots: JAX arrays are immutable, so a later update can never alias into them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["ServerState", "init", "pull", "push", "snapshot"]
+
+
+class ServerState(NamedTuple):
+    """Everything the parameter server owns.
+
+    Attributes:
+      params: current weights w_t.
+      opt_state: the rule's state.
+      model_state: the latest non-trained model collections pushed (BatchNorm statistics), ``{}`` when none.
+      backup_params: per-slot snapshots of the weights, each leaf with a leading axis of ``num_slots``.
+      backup_model_state: per-slot snapshots of ``model_state``.
+      backup_version: int32 ``[num_slots]``: the version each snapshot was taken at.
+      version: int32 scalar t: the number of updates applied.
+    """
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    backup_params: Any
+    backup_model_state: Any
+    backup_version: jax.Array
+    version: jax.Array
+
+
+def _stack(tree: Any, n: int) -> Any:
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))).astype(jnp.result_type(x)), tree)
+
+
+def init(rule: optax.GradientTransformation, params: Any, num_slots: int, model_state: Any = None) -> ServerState:
+    """The server at version 0: every backup holds w_0.
+
+    Args:
+      rule: the update rule (any optax transform).
+      params: the initial weights w_0.
+      num_slots: how many backups to keep (the number of workers, or ``tau + 1`` for the fixed-delay models).
+      model_state: initial non-trained collections, or ``None`` / ``{}`` when the model has none.
+    """
+    model_state = {} if model_state is None else model_state
+    params = jax.tree.map(jnp.asarray, params)
+    return ServerState(
+        params=params,
+        opt_state=rule.init(params),
+        model_state=model_state,
+        backup_params=_stack(params, num_slots),
+        backup_model_state=_stack(model_state, num_slots),
+        backup_version=jnp.zeros((num_slots,), jnp.int32),
+        version=jnp.zeros((), jnp.int32),
+    )
+
+
+def snapshot(state: ServerState, slot: jax.Array) -> tuple[Any, Any]:
+    """The weights and model state stored in ``slot``: what that worker computes at."""
+    take = lambda x: x[slot]
+    return jax.tree.map(take, state.backup_params), jax.tree.map(take, state.backup_model_state)
+
+
+def pull(state: ServerState, slot: jax.Array) -> ServerState:
+    """Records the current weights, model state and version as ``slot``'s backup (a worker's pull)."""
+    put = lambda stack, x: stack.at[slot].set(x)
+    return state._replace(
+        backup_params=jax.tree.map(put, state.backup_params, state.params),
+        backup_model_state=jax.tree.map(put, state.backup_model_state, state.model_state),
+        backup_version=state.backup_version.at[slot].set(state.version),
+    )
+
+
+def push(
+    rule: optax.GradientTransformation,
+    state: ServerState,
+    slot: jax.Array,
+    grads: Any,
+    model_state: Any = None,
+) -> tuple[ServerState, jax.Array]:
+    """Applies one pushed payload with the rule and advances the version.
+
+    Args:
+      rule: the update rule.
+      state: the server.
+      slot: the pushing worker's slot (int32); its backup is the gradient's ``stale_params``.
+      grads: the payload (a gradient, a sum of gradients, or a descent-direction parameter delta).
+      model_state: the worker's updated model collections, which replace the server's; ``None`` keeps them.
+
+    Returns:
+      ``(new_state, staleness)`` where staleness is the int32 number of updates since the slot's snapshot.
+    """
+    slot = jnp.asarray(slot, jnp.int32)
+    stale_params = jax.tree.map(lambda x: x[slot], state.backup_params)
+    staleness = state.version - state.backup_version[slot]
+    updates, opt_state = rule.update(
+        grads,
+        state.opt_state,
+        state.params,
+        stale_params=stale_params,
+        staleness=staleness,
+        worker=slot,
+    )
+    params = optax.apply_updates(state.params, updates)
+    new = state._replace(
+        params=params,
+        opt_state=opt_state,
+        model_state=state.model_state if model_state is None else model_state,
+        version=optax.safe_increment(state.version),
+    )
+    return new, staleness

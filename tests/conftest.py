@@ -1,0 +1,19 @@
+"""Strict JAX for the whole suite: 8 fake CPU devices, no silent rank promotion.
+
+This runs before any test module imports JAX's backends, so the device count takes effect.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests must never reach the network for data.
+os.environ.setdefault("TFDS_DATA_DIR", os.path.join(os.path.dirname(__file__), "_no_tfds_data"))
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import jax
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_num_cpu_devices", 8)
