@@ -9,7 +9,7 @@ Example:
   >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=2.0, adaptive=True)
 """
 
-from asgd_jax import checkpoint, data, delays, models, server
+from asgd_jax import checkpoint, data, delays, metrics, models, order, server
 from asgd_jax.models import classification_eval, classification_loss
 from asgd_jax.rules import (
     ScaleByDelayCompensationState,
@@ -40,7 +40,9 @@ __all__ = [
     "delays",
     "drop_stale",
     "grid",
+    "metrics",
     "models",
+    "order",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_staleness",

@@ -11,8 +11,8 @@ Randomness: the run's key is split into data, delay and model keys; update t use
 gives the same bits, and a run resumed from a checkpoint continues exactly where it stopped.
 
 Data: worker (shard) s draws minibatches from its own shard. A shard's j-th batch belongs to its epoch ``j // K``; in
-epoch e the shards are consecutive slices of one random permutation of the data (keyed by e), so in every epoch the
-shards are disjoint and the data is re-partitioned randomly across workers, as in DC-ASGD.
+epoch e the shards are consecutive slices of one keyed random permutation of the data (:mod:`asgd_jax.order`), so in
+every epoch the shards are disjoint and the data is re-partitioned randomly across workers, as in DC-ASGD.
 """
 
 from __future__ import annotations
@@ -32,18 +32,17 @@ import optax
 
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
-from asgd_jax import server
+from asgd_jax import order, server
 
-__all__ = ["SimState", "SimulationResult", "grid", "simulate", "sweep"]
+__all__ = ["SimState", "SimulationResult", "grid", "shard_indices", "simulate", "sweep"]
 
 MODES = ("async", "sync")
 PUSHES = ("gradients", "delta", "accumulate")
 
 
 class DataState(NamedTuple):
-    """Which examples each shard reads: its current epoch's indices and how many batches it has taken."""
+    """How many minibatches each shard has taken; with the key this fixes every future batch (see :mod:`order`)."""
 
-    shards: jax.Array  # int32 [num_shards, shard_size]
     taken: jax.Array  # int32 [num_shards]
 
 
@@ -166,49 +165,45 @@ def _validate(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _epoch_shards(data_key: jax.Array, epoch: jax.Array, cfg: _Config, num_shards: int) -> jax.Array:
-    perm = jax.random.permutation(jax.random.fold_in(data_key, epoch), cfg.num_examples).astype(jnp.int32)
-    return perm[: num_shards * cfg.shard_size].reshape(num_shards, cfg.shard_size)
+def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num_shards: int) -> jax.Array:
+    """The example indices of every shard in one epoch of the run keyed ``key``: ``[num_shards, N // num_shards]``.
+
+    Shard s's k-th minibatch of the epoch is ``shard_indices(...)[s, k * batch_size : (k + 1) * batch_size]``; the
+    layout is :func:`asgd_jax.order.shard_indices` under the run's data key.
+
+    Example:
+      >>> import jax, asgd_jax
+      >>> idx = asgd_jax.simulator.shard_indices(jax.random.key(0), epoch=0, num_examples=10, num_shards=3)
+      >>> idx.shape, len(set(idx.ravel().tolist()))
+      ((3, 3), 9)
+    """
+    return order.shard_indices(_split_key(key)[0], epoch, num_examples, num_shards)
 
 
-def _init_data(data_key: jax.Array, cfg: _Config, num_shards: int) -> DataState:
-    return DataState(_epoch_shards(data_key, 0, cfg, num_shards), jnp.zeros((num_shards,), jnp.int32))
+def _batch_indices(key: jax.Array, cfg: _Config, shard: jax.Array, taken: jax.Array) -> jax.Array:
+    """Example indices of a shard's ``taken``-th minibatch (``shard`` and ``taken`` may be arrays of equal shape)."""
+    per_epoch = cfg.shard_size // cfg.batch_size
+    epoch, k = taken // per_epoch, taken % per_epoch
+    start = shard * cfg.shard_size + k * cfg.batch_size
+    positions = start[..., None] + jnp.arange(cfg.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
+    data_key = _split_key(key)[0]
+    if jnp.ndim(epoch) == 0:
+        return order.example_index(data_key, epoch, positions, cfg.num_examples)
+    # SSGD: all shards are in the same epoch (they move in lock-step).
+    return order.example_index(data_key, epoch[0], positions, cfg.num_examples)
 
 
-def _batches_per_epoch(cfg: _Config) -> int:
-    return cfg.shard_size // cfg.batch_size
+def _take(data, key, cfg: _Config, ds: DataState, shard: jax.Array):
+    """Shard ``shard``'s next minibatch."""
+    idx = _batch_indices(key, cfg, shard, ds.taken[shard])
+    return DataState(ds.taken.at[shard].add(1)), jax.tree.map(lambda a: a[idx], data)
 
 
-def _take(data, data_key, cfg: _Config, ds: DataState, shard: jax.Array):
-    """Shard ``shard``'s next minibatch; at an epoch boundary its indices are re-drawn first."""
-    k_per_epoch = _batches_per_epoch(cfg)
-    taken = ds.taken[shard]
-    epoch, k = taken // k_per_epoch, taken % k_per_epoch
-
-    def refresh(shards):
-        fresh = _epoch_shards(data_key, epoch, cfg, shards.shape[0])
-        return shards.at[shard].set(fresh[shard])
-
-    shards = jax.lax.cond((k == 0) & (epoch > 0), refresh, lambda s: s, ds.shards)
-    idx = jax.lax.dynamic_slice(shards[shard], (k * cfg.batch_size,), (cfg.batch_size,))
-    batch = jax.tree.map(lambda a: a[idx], data)
-    return DataState(shards, ds.taken.at[shard].add(1)), batch
-
-
-def _take_all(data, data_key, cfg: _Config, ds: DataState):
-    """Every shard's next minibatch (SSGD: the shards move in lock-step, so they re-partition together)."""
-    k_per_epoch = _batches_per_epoch(cfg)
-    taken = ds.taken[0]
-    epoch, k = taken // k_per_epoch, taken % k_per_epoch
-    shards = jax.lax.cond(
-        (k == 0) & (epoch > 0),
-        lambda s: _epoch_shards(data_key, epoch, cfg, s.shape[0]),
-        lambda s: s,
-        ds.shards,
-    )
-    idx = jax.lax.dynamic_slice_in_dim(shards, k * cfg.batch_size, cfg.batch_size, axis=1)
-    batch = jax.tree.map(lambda a: a[idx], data)  # [num_shards, batch, ...]
-    return DataState(shards, ds.taken + 1), batch
+def _take_all(data, key, cfg: _Config, ds: DataState):
+    """Every shard's next minibatch, ``[num_shards, batch, ...]`` (SSGD)."""
+    shards = jnp.arange(ds.taken.shape[0], dtype=jnp.int32)
+    idx = _batch_indices(key, cfg, shards, ds.taken)
+    return DataState(ds.taken + 1), jax.tree.map(lambda a: a[idx], data)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -276,17 +271,17 @@ def _split_key(key: jax.Array):
 
 
 def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
-    data_key, delay_key, _ = _split_key(key)
+    _, delay_key, _ = _split_key(key)
     return SimState(
         server=server.init(rule, params, delays.num_slots, model_state),
         delay=delays.init(delay_key, cfg.n_sync),
-        data=_init_data(data_key, cfg, delays.num_shards),
+        data=DataState(jnp.zeros((delays.num_shards,), jnp.int32)),
         clock=jnp.zeros((), jnp.float32),
     )
 
 
 def _step(grad_fn, rule, delays, cfg: _Config, data, key, local_lr, state: SimState):
-    data_key, delay_key, model_key = _split_key(key)
+    _, delay_key, model_key = _split_key(key)
     t = state.server.version
     k_delay = jax.random.fold_in(delay_key, t)
     k_model = jax.random.fold_in(model_key, t)
@@ -298,7 +293,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, key, local_lr, state: SimSt
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
-            ds, batch = _take(data, data_key, cfg, ds, event.shard)
+            ds, batch = _take(data, key, cfg, ds, event.shard)
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b), *batches)
         payload, model_state, loss, aux = _work(grad_fn, cfg, params0, model_state0, batches, k_model, local_lr)
@@ -311,7 +306,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, key, local_lr, state: SimSt
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
-            ds, batch = _take_all(data, data_key, cfg, ds)
+            ds, batch = _take_all(data, key, cfg, ds)
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b, axis=1), *batches)  # [M, n_sync, batch, ...]
         params0, model_state0 = state.server.params, state.server.model_state

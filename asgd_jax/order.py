@@ -1,0 +1,77 @@
+"""The order in which workers see the data: a pure function of (key, epoch, shard, position).
+
+In epoch e, the examples are laid out by a keyed pseudo-random permutation P_e of ``[0, N)``; shard s owns positions
+``[s * S, (s + 1) * S)`` with ``S = N // num_shards`` (the remainder sits out that epoch), and the shard's k-th
+minibatch is the next ``batch_size`` of its positions. Shards are disjoint within an epoch and re-drawn every epoch,
+as in DC-ASGD's random re-partitioning.
+
+P_e is a 4-round Feistel network over the smallest power-of-four domain holding N, keyed from the run's key and e,
+restricted to ``[0, N)`` by cycle walking. It needs no stored permutation and costs O(batch) per minibatch, also under
+``vmap`` (a stored permutation would have to be re-sorted whenever any run in a sweep crossed an epoch). It is the
+same function for the simulator and for any host-side loader that must reproduce the simulator's order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["example_index", "shard_indices"]
+
+_ROUNDS = 4
+
+
+def _mix(x: jax.Array, k: jax.Array) -> jax.Array:
+    # A 32-bit integer hash (lowbias32) of x keyed by k: the round function of the Feistel network.
+    x = x ^ k
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _feistel(x: jax.Array, keys: jax.Array, half: int) -> jax.Array:
+    mask = jnp.uint32((1 << half) - 1)
+    left, right = x >> half, x & mask
+    for r in range(_ROUNDS):
+        left, right = right, left ^ (_mix(right, keys[r]) & mask)
+    return (left << half) | right
+
+
+def example_index(key: jax.Array, epoch: int | jax.Array, positions: jax.Array, num_examples: int) -> jax.Array:
+    """P_epoch(positions): which example sits at each position of the epoch's layout (int32, same shape).
+
+    Args:
+      key: the data key of the run.
+      epoch: the epoch (int32, may be traced).
+      positions: int positions in ``[0, num_examples)``.
+      num_examples: N (static).
+    """
+    if num_examples < 1:
+        raise ValueError(f"num_examples={num_examples!r} is invalid: need at least one example.")
+    half = max(1, ((num_examples - 1).bit_length() + 1) // 2)
+    keys = jax.random.bits(jax.random.fold_in(key, epoch), (_ROUNDS,), jnp.uint32)
+    n = jnp.uint32(num_examples)
+    step = lambda y: jnp.where(y >= n, _feistel(y, keys, half), y)
+    # Cycle walking: re-apply the bijection until every value lands inside [0, N); the domain is < 4N, so this ends
+    # after a few rounds, and it keeps the map a bijection of [0, N).
+    y = _feistel(jnp.asarray(positions).astype(jnp.uint32), keys, half)
+    y = jax.lax.while_loop(lambda y: jnp.any(y >= n), step, y)
+    return y.astype(jnp.int32)
+
+
+def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num_shards: int) -> jax.Array:
+    """The example indices of every shard in one epoch: ``[num_shards, num_examples // num_shards]`` int32.
+
+    A shard's k-th minibatch of the epoch is ``shard_indices(...)[shard, k * batch_size : (k + 1) * batch_size]``.
+
+    Example:
+      >>> import jax, asgd_jax
+      >>> idx = asgd_jax.order.shard_indices(jax.random.key(0), epoch=0, num_examples=10, num_shards=3)
+      >>> idx.shape, len(set(idx.ravel().tolist())), int(idx.max()) < 10
+      ((3, 3), 9, True)
+    """
+    shard_size = num_examples // num_shards
+    positions = jnp.arange(num_shards * shard_size, dtype=jnp.int32)
+    return example_index(key, epoch, positions, num_examples).reshape(num_shards, shard_size)

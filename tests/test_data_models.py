@@ -1,0 +1,146 @@
+"""Embedded datasets (offline), small models, and a real learning check."""
+
+from __future__ import annotations
+
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import asgd_jax
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a socket fails the test loudly."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the test tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.parametrize(
+    ("name", "train", "test", "shape"),
+    [("digits", 1438, 359, (8, 8, 1)), ("mnist1d", 4000, 1000, (40, 1))],
+)
+def test_embedded_loaders_work_offline(no_network, name, train, test, shape):
+    ds = asgd_jax.data.load(name)
+    assert (len(ds.y_train), len(ds.y_test), ds.input_shape, ds.num_classes) == (train, test, shape, 10)
+    assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int32
+    # Standardised on the training split.
+    np.testing.assert_allclose(ds.x_train.mean(), 0.0, atol=1e-4)
+    np.testing.assert_allclose(ds.x_train.std(), 1.0, atol=1e-3)
+    assert set(np.unique(ds.y_train)) == set(range(10))
+    assert ds.train["x"] is ds.x_train and ds.test["y"] is ds.y_test
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    ds = asgd_jax.data.load("digits")
+    from sklearn.datasets import load_digits
+
+    raw = load_digits().images.reshape(len(load_digits().target), -1)
+    # Every example lands in exactly one split.
+    assert len(ds.y_train) + len(ds.y_test) == len(raw)
+    flat_train = {row.tobytes() for row in np.round(ds.x_train.reshape(len(ds.x_train), -1), 4)}
+    flat_test = {row.tobytes() for row in np.round(ds.x_test.reshape(len(ds.x_test), -1), 4)}
+    assert len(flat_train & flat_test) <= 2  # the raw digits hold a few exact duplicates, nothing more
+    again = asgd_jax.data._digits.__wrapped__(0)
+    np.testing.assert_array_equal(again.x_train, ds.x_train)
+    other = asgd_jax.data.load("digits", seed=1)
+    assert not np.array_equal(other.y_train, ds.y_train)
+
+
+def test_mnist1d_leaves_numpy_global_state_alone():
+    np.random.seed(123)  # noqa: NPY002
+    before = np.random.get_state()[1].copy()  # noqa: NPY002
+    asgd_jax.data._mnist1d.__wrapped__(0)
+    np.testing.assert_array_equal(np.random.get_state()[1], before)  # noqa: NPY002
+
+
+@pytest.mark.parametrize(("name", "seed"), [("cifar10", 0), ("digits", -1)])
+def test_bad_dataset_arguments_raise(name, seed):
+    with pytest.raises(ValueError, match=name if seed == 0 else "seed"):
+        asgd_jax.data.load(name, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "expected_params"),
+    [
+        ("mlp", (8, 8, 1), 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10),
+        ("cnn", (8, 8, 1), (9 * 16 + 16) + (9 * 16 * 32 + 32) + (2 * 2 * 32 * 64 + 64) + (64 * 10 + 10)),
+        ("cnn", (40, 1), (3 * 16 + 16) + (3 * 16 * 32 + 32) + (10 * 32 * 64 + 64) + (64 * 10 + 10)),
+    ],
+)
+def test_models_shapes_and_parameter_counts(name, shape, expected_params):
+    model = asgd_jax.models.get(name, num_classes=10, input_shape=shape)
+    params, state = model.init(jax.random.key(0))
+    assert model.num_params(params) == expected_params
+    assert state == {}
+    logits, new_state = model.apply(params, state, jnp.zeros((7, *shape)), train=True, key=jax.random.key(1))
+    assert logits.shape == (7, 10) and new_state == {}
+
+
+def test_model_init_is_deterministic_and_keyed():
+    model = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
+    a, _ = model.init(jax.random.key(0))
+    b, _ = model.init(jax.random.key(0))
+    c, _ = model.init(jax.random.key(1))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": "resnet9000", "num_classes": 10, "input_shape": (8, 8, 1)}, "resnet9000"),
+        ({"name": "mlp", "num_classes": 1, "input_shape": (8, 8, 1)}, "num_classes"),
+        ({"name": "cnn", "num_classes": 10, "input_shape": (64,)}, "input_shape"),
+        ({"name": "mlp", "num_classes": 10, "input_shape": (0, 3)}, "input_shape"),
+    ],
+)
+def test_bad_model_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        asgd_jax.models.get(**kwargs)
+
+
+def test_loss_and_accuracy_values():
+    logits = jnp.array([[2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
+    labels = jnp.array([0, 1, 1])
+    np.testing.assert_allclose(asgd_jax.models.accuracy(logits, labels), 2 / 3, rtol=1e-6)
+    want = np.mean([np.log1p(np.exp(-2.0)), np.log1p(np.exp(-3.0)), np.log1p(np.exp(1.0))])
+    np.testing.assert_allclose(asgd_jax.models.cross_entropy(logits, labels), want, rtol=1e-6)
+
+
+def test_classification_eval_matches_a_direct_computation():
+    ds = asgd_jax.data.load("digits")
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
+    params, state = model.init(jax.random.key(0))
+    got = jax.jit(asgd_jax.classification_eval(model, ds.test, batch_size=100))(params, state)  # 3 full + 59 rest
+    logits, _ = model.apply(params, state, ds.x_test)
+    np.testing.assert_allclose(got["loss"], asgd_jax.models.cross_entropy(logits, ds.y_test), rtol=1e-5)
+    np.testing.assert_allclose(got["error"], 1 - asgd_jax.models.accuracy(logits, ds.y_test), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_mlp_trained_with_asgd_on_digits_beats_90_percent():
+    ds = asgd_jax.data.load("digits")
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
+    params, state = model.init(jax.random.key(0))
+    rule = asgd_jax.asgd(0.1, momentum=0.9)
+    loss = asgd_jax.classification_loss(model)
+    x, y = jnp.asarray(ds.x_train), jnp.asarray(ds.y_train)
+
+    def step(carry, t):
+        params, opt_state = carry
+        idx = jax.random.choice(jax.random.fold_in(jax.random.key(1), t), len(y), (32,), replace=False)
+        grads, _ = jax.grad(loss, has_aux=True)(params, state, {"x": x[idx], "y": y[idx]}, None)
+        updates, opt_state = rule.update(grads, opt_state, params, stale_params=params, staleness=0)
+        return (jax.tree.map(jnp.add, params, updates), opt_state), None
+
+    (params, _), _ = jax.lax.scan(step, (params, rule.init(params)), jnp.arange(300))
+    metrics = asgd_jax.classification_eval(model, ds.test)(params, state)
+    assert float(metrics["error"]) < 0.10, metrics

@@ -1,0 +1,36 @@
+"""Every runnable example in the docstrings and the README runs and prints what it says."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pathlib
+import pkgutil
+
+import pytest
+
+import asgd_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(asgd_jax.__path__, "asgd_jax.") if not m.name.endswith("__main__")
+)
+
+
+@pytest.mark.parametrize("module", ["asgd_jax", *MODULES])
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=FLAGS, verbose=False)
+    assert result.failed == 0
+
+
+def test_readme_examples():
+    result = doctest.testfile(str(ROOT / "README.md"), module_relative=False, optionflags=FLAGS)
+    assert result.failed == 0
+    assert result.attempted > 5  # the README's tour really is executed
+
+
+def test_public_names_are_documented():
+    for name in asgd_jax.__all__:
+        obj = getattr(asgd_jax, name)
+        assert obj.__doc__ and obj.__doc__.strip(), f"asgd_jax.{name} has no docstring"
