@@ -138,9 +138,10 @@ class Workers:
     def num_shards(self) -> int:
         return self.num
 
-    def draw(self, key: jax.Array, shape: tuple[int, ...] = ()) -> jax.Array:
-        """Compute times of ``shape``-many minibatches per worker: an array of ``shape + (num,)``."""
-        shape = (*shape, self.num)
+    def draw(self, key: jax.Array, shape: tuple[int, ...] = (), worker: jax.Array | None = None) -> jax.Array:
+        """Compute times of minibatches: ``shape + (num,)`` for every worker, or ``shape`` for one ``worker``."""
+        if worker is None:
+            shape = (*shape, self.num)
         k_time, k_strag = jax.random.split(key)
         if self.compute_time == "constant":
             base = jnp.ones(shape, jnp.float32)
@@ -149,16 +150,20 @@ class Workers:
         else:  # lognormal with mean 1: exp(sigma * z - sigma^2 / 2)
             sigma = jnp.asarray(self.sigma, jnp.float32)
             base = jnp.exp(sigma * jax.random.normal(k_time, shape, jnp.float32) - 0.5 * sigma * sigma)
-        straggle = jax.random.bernoulli(k_strag, jnp.asarray(self.straggler_prob, jnp.float32), shape)
-        base = jnp.where(straggle, base * jnp.asarray(self.straggler_slowdown, jnp.float32), base)
+        # A literal 0.0 (the default) needs no draw; a traced or non-zero probability does.
+        if not (isinstance(self.straggler_prob, int | float) and self.straggler_prob == 0):
+            straggle = jax.random.bernoulli(k_strag, jnp.asarray(self.straggler_prob, jnp.float32), shape)
+            base = jnp.where(straggle, base * jnp.asarray(self.straggler_slowdown, jnp.float32), base)
         if self.speeds is not None:
-            speeds = jnp.asarray(self.speeds, jnp.float32).reshape((1,) * (len(shape) - 1) + (self.num,))
+            speeds = jnp.asarray(self.speeds, jnp.float32)
+            speeds = speeds[worker] if worker is not None else speeds.reshape((1,) * (len(shape) - 1) + (self.num,))
             base = base / speeds
         return base * jnp.asarray(self.mean_compute_time, jnp.float32)
 
-    def work_time(self, key: jax.Array, n_sync: int) -> jax.Array:
-        """Time every worker needs for one exchange period: ``n_sync`` minibatches plus ``comm_time``; ``[num]``."""
-        return self.draw(key, (n_sync,)).sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
+    def work_time(self, key: jax.Array, n_sync: int, worker: jax.Array | None = None) -> jax.Array:
+        """Time of one exchange period (``n_sync`` minibatches plus ``comm_time``): ``[num]``, or a scalar for one
+        ``worker``."""
+        return self.draw(key, (n_sync,), worker).sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
 
     def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
         """The finish time of every worker's first push."""
@@ -168,7 +173,7 @@ class Workers:
         del t
         worker = jnp.argmin(finish).astype(jnp.int32)  # first minimum: ties go to the lower id
         time = finish[worker]
-        finish = finish.at[worker].set(time + self.work_time(key, n_sync)[worker])
+        finish = finish.at[worker].set(time + self.work_time(key, n_sync, worker))
         return finish, Event(worker, worker, worker, time)
 
     def sync_time(self, key: jax.Array, n_sync: int = 1) -> jax.Array:

@@ -180,29 +180,28 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
     return order.shard_indices(_split_key(key)[0], epoch, num_examples, num_shards)
 
 
-def _batch_indices(key: jax.Array, cfg: _Config, shard: jax.Array, taken: jax.Array) -> jax.Array:
+def _batch_indices(data_key: jax.Array, cfg: _Config, shard: jax.Array, taken: jax.Array) -> jax.Array:
     """Example indices of a shard's ``taken``-th minibatch (``shard`` and ``taken`` may be arrays of equal shape)."""
     per_epoch = cfg.shard_size // cfg.batch_size
     epoch, k = taken // per_epoch, taken % per_epoch
     start = shard * cfg.shard_size + k * cfg.batch_size
     positions = start[..., None] + jnp.arange(cfg.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
-    data_key = _split_key(key)[0]
     if jnp.ndim(epoch) == 0:
         return order.example_index(data_key, epoch, positions, cfg.num_examples)
     # SSGD: all shards are in the same epoch (they move in lock-step).
     return order.example_index(data_key, epoch[0], positions, cfg.num_examples)
 
 
-def _take(data, key, cfg: _Config, ds: DataState, shard: jax.Array):
+def _take(data, data_key, cfg: _Config, ds: DataState, shard: jax.Array):
     """Shard ``shard``'s next minibatch."""
-    idx = _batch_indices(key, cfg, shard, ds.taken[shard])
+    idx = _batch_indices(data_key, cfg, shard, ds.taken[shard])
     return DataState(ds.taken.at[shard].add(1)), jax.tree.map(lambda a: a[idx], data)
 
 
-def _take_all(data, key, cfg: _Config, ds: DataState):
+def _take_all(data, data_key, cfg: _Config, ds: DataState):
     """Every shard's next minibatch, ``[num_shards, batch, ...]`` (SSGD)."""
     shards = jnp.arange(ds.taken.shape[0], dtype=jnp.int32)
-    idx = _batch_indices(key, cfg, shards, ds.taken)
+    idx = _batch_indices(data_key, cfg, shards, ds.taken)
     return DataState(ds.taken + 1), jax.tree.map(lambda a: a[idx], data)
 
 
@@ -280,8 +279,8 @@ def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
     )
 
 
-def _step(grad_fn, rule, delays, cfg: _Config, data, key, local_lr, state: SimState):
-    _, delay_key, model_key = _split_key(key)
+def _step(grad_fn, rule, delays, cfg: _Config, data, keys, local_lr, state: SimState):
+    data_key, delay_key, model_key = keys  # split once per chunk, outside the scan
     t = state.server.version
     k_delay = jax.random.fold_in(delay_key, t)
     k_model = jax.random.fold_in(model_key, t)
@@ -293,7 +292,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, key, local_lr, state: SimSt
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
-            ds, batch = _take(data, key, cfg, ds, event.shard)
+            ds, batch = _take(data, data_key, cfg, ds, event.shard)
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b), *batches)
         payload, model_state, loss, aux = _work(grad_fn, cfg, params0, model_state0, batches, k_model, local_lr)
@@ -306,7 +305,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, key, local_lr, state: SimSt
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
-            ds, batch = _take_all(data, key, cfg, ds)
+            ds, batch = _take_all(data, data_key, cfg, ds)
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b, axis=1), *batches)  # [M, n_sync, batch, ...]
         params0, model_state0 = state.server.params, state.server.model_state
@@ -345,7 +344,8 @@ def _make_chunk(grad_fn, rule_fn, delays, cfg: _Config, eval_fn, length: int):
 
     def chunk(state, data, key, hparams, local_lr):
         rule = rule_fn(hparams)
-        step = lambda s, _: _step(grad_fn, rule, delays, cfg, data, key, local_lr, s)
+        keys = _split_key(key)
+        step = lambda s, _: _step(grad_fn, rule, delays, cfg, data, keys, local_lr, s)
         state, metrics = jax.lax.scan(step, state, None, length=length)
         return state, metrics, _evaluate(eval_fn, state)
 
@@ -444,7 +444,8 @@ def _run(
         n_evals = next(iter(stacked.values())).shape[axis] if stacked else 0
         evals = [{k: np.take(v, i, axis=axis) for k, v in stacked.items()} for i in range(n_evals)]
     if not evals and eval_fn is not None:
-        evals = [jax.device_get(evaluate(state))]
+        first = jax.device_get(evaluate(state))
+        evals = [first] if first else []
 
     bar = None
     if progress:
@@ -477,7 +478,7 @@ def _run(
             bar.close()
 
     metrics = _join(chunks, axis)
-    if evals:
+    if evals and evals[0]:
         ev = _join(evals, axis, stack=True)
         updates = np.minimum(np.arange(len(evals)) * chunk_len, num_updates).astype(np.int32)
         shape = next(iter(ev.values())).shape
