@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["example_index", "shard_indices"]
+__all__ = ["example_index", "key_words", "shard_indices"]
 
 _ROUNDS = 4
 
@@ -39,11 +39,16 @@ def _feistel(x: jax.Array, keys: jax.Array, half: int) -> jax.Array:
     return (left << half) | right
 
 
-def example_index(key: jax.Array, epoch: int | jax.Array, positions: jax.Array, num_examples: int) -> jax.Array:
+def key_words(key: jax.Array) -> jax.Array:
+    """The uint32 words that key the data order, derived once per run from its data key."""
+    return jax.random.bits(key, (_ROUNDS,), jnp.uint32)
+
+
+def example_index(words: jax.Array, epoch: int | jax.Array, positions: jax.Array, num_examples: int) -> jax.Array:
     """P_epoch(positions): which example sits at each position of the epoch's layout (int32, same shape).
 
     Args:
-      key: the data key of the run.
+      words: :func:`key_words` of the run's data key.
       epoch: the epoch (int32, may be traced).
       positions: int positions in ``[0, num_examples)``.
       num_examples: N (static).
@@ -51,7 +56,10 @@ def example_index(key: jax.Array, epoch: int | jax.Array, positions: jax.Array, 
     if num_examples < 1:
         raise ValueError(f"num_examples={num_examples!r} is invalid: need at least one example.")
     half = max(1, ((num_examples - 1).bit_length() + 1) // 2)
-    keys = jax.random.bits(jax.random.fold_in(key, epoch), (_ROUNDS,), jnp.uint32)
+    # Round keys of this epoch by integer hashing, not by a PRNG call: on CPU every threefry call is a rolled loop,
+    # and this runs once per minibatch inside the simulator's scan.
+    e = jnp.asarray(epoch).astype(jnp.uint32)
+    keys = _mix(words, e * jnp.uint32(0x9E3779B9) + jnp.arange(_ROUNDS, dtype=jnp.uint32))
     n = jnp.uint32(num_examples)
     step = lambda y: jnp.where(y >= n, _feistel(y, keys, half), y)
     # Cycle walking: re-apply the bijection until every value lands inside [0, N); the domain is < 4N, so this ends
@@ -74,4 +82,4 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
     """
     shard_size = num_examples // num_shards
     positions = jnp.arange(num_shards * shard_size, dtype=jnp.int32)
-    return example_index(key, epoch, positions, num_examples).reshape(num_shards, shard_size)
+    return example_index(key_words(key), epoch, positions, num_examples).reshape(num_shards, shard_size)

@@ -189,8 +189,13 @@ def scale_by_delay_compensation(
             return g2 + mean_square_decay * (ms - g2)
 
         if per_worker:
-            ms_w = jax.tree.map(lambda ms, g: new_mean_square(ms[worker], g), state.mean_square, updates)
-            mean_square = jax.tree.map(lambda ms, m: ms.at[worker].set(m.astype(ms.dtype)), state.mean_square, ms_w)
+            take = lambda ms: jax.lax.dynamic_index_in_dim(ms, worker, axis=0, keepdims=False)
+            ms_w = jax.tree.map(lambda ms, g: new_mean_square(take(ms), g), state.mean_square, updates)
+            mean_square = jax.tree.map(
+                lambda ms, m: jax.lax.dynamic_update_index_in_dim(ms, m.astype(ms.dtype), worker, axis=0),
+                state.mean_square,
+                ms_w,
+            )
         else:
             ms_w = jax.tree.map(new_mean_square, state.mean_square, updates)
             mean_square = jax.tree.map(lambda ms, m: m.astype(ms.dtype), state.mean_square, ms_w)

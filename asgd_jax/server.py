@@ -71,19 +71,28 @@ def init(rule: optax.GradientTransformation, params: Any, num_slots: int, model_
     )
 
 
+def _get(stack: jax.Array, slot: jax.Array) -> jax.Array:
+    # dynamic_index/dynamic_update (not gather/scatter): an O(leaf) slice, updated in place inside a scan.
+    return jax.lax.dynamic_index_in_dim(stack, slot, axis=0, keepdims=False)
+
+
+def _put(stack: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), slot, axis=0)
+
+
 def snapshot(state: ServerState, slot: jax.Array) -> tuple[Any, Any]:
     """The weights and model state stored in ``slot``: what that worker computes at."""
-    take = lambda x: x[slot]
+    take = lambda x: _get(x, slot)
     return jax.tree.map(take, state.backup_params), jax.tree.map(take, state.backup_model_state)
 
 
 def pull(state: ServerState, slot: jax.Array) -> ServerState:
     """Records the current weights, model state and version as ``slot``'s backup (a worker's pull)."""
-    put = lambda stack, x: stack.at[slot].set(x)
+    put = lambda stack, x: _put(stack, slot, x)
     return state._replace(
         backup_params=jax.tree.map(put, state.backup_params, state.params),
         backup_model_state=jax.tree.map(put, state.backup_model_state, state.model_state),
-        backup_version=state.backup_version.at[slot].set(state.version),
+        backup_version=_put(state.backup_version, slot, state.version),
     )
 
 
@@ -107,8 +116,8 @@ def push(
       ``(new_state, staleness)`` where staleness is the int32 number of updates since the slot's snapshot.
     """
     slot = jnp.asarray(slot, jnp.int32)
-    stale_params = jax.tree.map(lambda x: x[slot], state.backup_params)
-    staleness = state.version - state.backup_version[slot]
+    stale_params = jax.tree.map(lambda x: _get(x, slot), state.backup_params)
+    staleness = state.version - _get(state.backup_version, slot)
     updates, opt_state = rule.update(
         grads,
         state.opt_state,

@@ -180,28 +180,28 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
     return order.shard_indices(_split_key(key)[0], epoch, num_examples, num_shards)
 
 
-def _batch_indices(data_key: jax.Array, cfg: _Config, shard: jax.Array, taken: jax.Array) -> jax.Array:
+def _batch_indices(data_words: jax.Array, cfg: _Config, shard: jax.Array, taken: jax.Array) -> jax.Array:
     """Example indices of a shard's ``taken``-th minibatch (``shard`` and ``taken`` may be arrays of equal shape)."""
     per_epoch = cfg.shard_size // cfg.batch_size
     epoch, k = taken // per_epoch, taken % per_epoch
     start = shard * cfg.shard_size + k * cfg.batch_size
     positions = start[..., None] + jnp.arange(cfg.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
     if jnp.ndim(epoch) == 0:
-        return order.example_index(data_key, epoch, positions, cfg.num_examples)
+        return order.example_index(data_words, epoch, positions, cfg.num_examples)
     # SSGD: all shards are in the same epoch (they move in lock-step).
-    return order.example_index(data_key, epoch[0], positions, cfg.num_examples)
+    return order.example_index(data_words, epoch[0], positions, cfg.num_examples)
 
 
-def _take(data, data_key, cfg: _Config, ds: DataState, shard: jax.Array):
+def _take(data, data_words, cfg: _Config, ds: DataState, shard: jax.Array):
     """Shard ``shard``'s next minibatch."""
-    idx = _batch_indices(data_key, cfg, shard, ds.taken[shard])
+    idx = _batch_indices(data_words, cfg, shard, ds.taken[shard])
     return DataState(ds.taken.at[shard].add(1)), jax.tree.map(lambda a: a[idx], data)
 
 
-def _take_all(data, data_key, cfg: _Config, ds: DataState):
+def _take_all(data, data_words, cfg: _Config, ds: DataState):
     """Every shard's next minibatch, ``[num_shards, batch, ...]`` (SSGD)."""
     shards = jnp.arange(ds.taken.shape[0], dtype=jnp.int32)
-    idx = _batch_indices(data_key, cfg, shards, ds.taken)
+    idx = _batch_indices(data_words, cfg, shards, ds.taken)
     return DataState(ds.taken + 1), jax.tree.map(lambda a: a[idx], data)
 
 
@@ -280,7 +280,7 @@ def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
 
 
 def _step(grad_fn, rule, delays, cfg: _Config, data, keys, local_lr, state: SimState):
-    data_key, delay_key, model_key = keys  # split once per chunk, outside the scan
+    data_words, delay_key, model_key = keys  # derived once per chunk, outside the scan
     t = state.server.version
     k_delay = jax.random.fold_in(delay_key, t)
     k_model = jax.random.fold_in(model_key, t)
@@ -292,7 +292,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, keys, local_lr, state: SimS
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
-            ds, batch = _take(data, data_key, cfg, ds, event.shard)
+            ds, batch = _take(data, data_words, cfg, ds, event.shard)
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b), *batches)
         payload, model_state, loss, aux = _work(grad_fn, cfg, params0, model_state0, batches, k_model, local_lr)
@@ -305,7 +305,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, keys, local_lr, state: SimS
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
-            ds, batch = _take_all(data, data_key, cfg, ds)
+            ds, batch = _take_all(data, data_words, cfg, ds)
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b, axis=1), *batches)  # [M, n_sync, batch, ...]
         params0, model_state0 = state.server.params, state.server.model_state
@@ -339,12 +339,13 @@ def _evaluate(eval_fn, state: SimState) -> dict[str, jax.Array]:
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def _make_chunk(grad_fn, rule_fn, delays, cfg: _Config, eval_fn, length: int):
+def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int):
     """``(state, data, key, hparams) -> (state, per-update metrics, evaluation)`` over ``length`` updates."""
 
     def chunk(state, data, key, hparams, local_lr):
-        rule = rule_fn(hparams)
-        keys = _split_key(key)
+        rule, delays = rule_fn(hparams), delays_fn(hparams)
+        data_key, delay_key, model_key = _split_key(key)
+        keys = (order.key_words(data_key), delay_key, model_key)
         step = lambda s, _: _step(grad_fn, rule, delays, cfg, data, keys, local_lr, s)
         state, metrics = jax.lax.scan(step, state, None, length=length)
         return state, metrics, _evaluate(eval_fn, state)
@@ -370,7 +371,7 @@ def _run(
     keys,
     hparams,
     batched: bool,
-    delays,
+    delays_fn,
     batch_size,
     num_updates,
     mode,
@@ -385,6 +386,9 @@ def _run(
     callback,
     description,
 ) -> SimulationResult:
+    # The structure (slots, shards, kind) is static, so the first run's delay model describes every run.
+    first = jax.tree.map(lambda v: v[0], hparams) if batched else hparams
+    delays = delays_fn(first)
     num_examples, shard_size = _validate(
         data,
         delays,
@@ -406,10 +410,10 @@ def _run(
     model_state = {} if model_state is None else model_state
 
     def init_one(key, hp):
-        return _init(rule_fn(hp), delays, cfg, params, model_state, key)
+        return _init(rule_fn(hp), delays_fn(hp), cfg, params, model_state, key)
 
     def compiled(length):
-        fn = _make_chunk(grad_fn, rule_fn, delays, cfg, eval_fn, length)
+        fn = _make_chunk(grad_fn, rule_fn, delays_fn, cfg, eval_fn, length)
         if batched:
             fn = jax.vmap(fn, in_axes=(0, None, 0, 0, None))
         return jax.jit(fn, donate_argnums=0)
@@ -571,7 +575,7 @@ def simulate(
         keys=key,
         hparams={},
         batched=False,
-        delays=delays,
+        delays_fn=lambda _: delays,
         batch_size=batch_size,
         num_updates=num_updates,
         mode=mode,
@@ -613,9 +617,10 @@ def sweep(
     """Runs R simulations as one compiled program, vmapped over keys and hyperparameters.
 
     Everything that shapes the program (workers, batch size, n_sync, mode) is shared; what varies per run is the key
-    and the numeric hyperparameters, from which ``rule_fn`` builds each run's rule (traced, so no Python branching on
-    them). Run r equals ``simulate(..., rule=rule_fn(hparams[r]), key=keys[r])`` to float tolerance. :func:`grid`
-    builds ``keys`` and ``hparams`` for a Cartesian product.
+    and the numeric hyperparameters, from which ``rule_fn`` builds each run's rule and, if ``delays`` is a function,
+    each run's delay model (traced, so no Python branching on them). Run r equals
+    ``simulate(..., rule=rule_fn(hparams[r]), key=keys[r])`` to float tolerance. :func:`grid` builds ``keys`` and
+    ``hparams`` for a Cartesian product.
 
     Args:
       loss_fn: as in :func:`simulate`.
@@ -624,6 +629,8 @@ def sweep(
       data: as in :func:`simulate`, shared.
       keys: ``[R]`` keys, one per run.
       hparams: dict of ``[R]`` arrays (default: none).
+      delays: a delay model shared by all runs, or ``delays(hparams) -> model`` to vary its numeric parameters per run
+        (e.g. ``lambda h: Workers(8, straggler_prob=h["p"])``); its structure (worker count, kind) must not vary.
       **rest: as in :func:`simulate`.
 
     Returns:
@@ -641,6 +648,7 @@ def sweep(
       ((4, 3), (4, 100))
     """
     delays = delays_lib.Workers(8) if delays is None else delays
+    delays_fn = delays if callable(delays) and not hasattr(delays, "num_slots") else (lambda _: delays)
     hparams = {} if hparams is None else {k: jnp.asarray(v) for k, v in hparams.items()}
     num_runs = int(np.shape(keys)[0]) if np.ndim(keys) else 0
     if num_runs < 1:
@@ -658,7 +666,7 @@ def sweep(
         keys=keys,
         hparams=hparams,
         batched=True,
-        delays=delays,
+        delays_fn=delays_fn,
         batch_size=batch_size,
         num_updates=num_updates,
         mode=mode,

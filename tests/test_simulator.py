@@ -210,6 +210,23 @@ def test_sweep_equals_separate_runs():
         np.testing.assert_array_equal(swept.metrics["staleness"][r], alone.metrics["staleness"])
 
 
+def test_sweep_over_delay_parameters_equals_separate_runs():
+    keys, hp = asgd_jax.grid(seeds=[0], p=[0.0, 0.5], mean=[1.0, 3.0])
+    make = lambda p, mean: delays.Workers(3, straggler_prob=p, mean_compute_time=mean, straggler_slowdown=5.0)
+    swept = asgd_jax.sweep(
+        lsq_loss, lambda h: asgd_jax.asgd(0.05), jnp.asarray(W0), DATA, keys=keys, hparams=hp, batch_size=B,
+        delays=lambda h: make(h["p"], h["mean"]), num_updates=40, progress=False,
+    )  # fmt: skip
+    for r in range(4):
+        p, mean = float(hp["p"][r]), float(hp["mean"][r])
+        alone = _sim(asgd_jax.asgd(0.05), make(p, mean), num_updates=40)
+        np.testing.assert_array_equal(swept.metrics["worker"][r], alone.metrics["worker"])
+        np.testing.assert_allclose(swept.metrics["time"][r], alone.metrics["time"], rtol=1e-6)
+        np.testing.assert_allclose(swept.params[r], alone.params, rtol=1e-5, atol=1e-6)
+    # The parameters really vary per run: slower workers take longer in virtual time.
+    assert swept.metrics["time"][1, -1] > 2 * swept.metrics["time"][0, -1]
+
+
 def test_resume_from_checkpoint_is_bit_identical(tmp_path):
     rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, momentum=0.5)
     eval_fn = lambda w, _: {"loss": lsq_loss(w, DATA)}

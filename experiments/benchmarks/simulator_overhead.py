@@ -52,11 +52,12 @@ def make_sgd_step(loss, ds, batch_size, lr):
     n = len(ds.y_train)
     per_epoch = n // batch_size
     key = jax.random.key(0)
+    words = order.key_words(key)
 
     def step(carry, t):
         params, opt_state, model_state = carry
         epoch, k = t // per_epoch, t % per_epoch
-        idx = order.example_index(key, epoch, k * batch_size + jnp.arange(batch_size), n)
+        idx = order.example_index(words, epoch, k * batch_size + jnp.arange(batch_size), n)
         grads, (model_state, _) = jax.grad(loss, has_aux=True)(
             params, model_state, {"x": x[idx], "y": y[idx]}, jax.random.fold_in(key, t)
         )
@@ -111,7 +112,7 @@ def memory_versus_workers(loss, params, state, ds, worker_counts):
         init = jax.jit(lambda k, delays=delays, cfg=cfg: simulator._init(rule, delays, cfg, params, state, k))
         sim_state = init(jax.random.key(0))
         grad_fn = jax.value_and_grad(simulator._as_stateful(loss, True), has_aux=True)
-        chunk = simulator._make_chunk(grad_fn, lambda _: rule, delays, cfg, None, 10)
+        chunk = simulator._make_chunk(grad_fn, lambda _: rule, lambda _, d=delays: d, cfg, None, 10)
         compiled = (
             jax.jit(chunk, donate_argnums=0)
             .lower(sim_state, jax.tree.map(jnp.asarray, ds.train), jax.random.key(0), {}, jnp.float32(0))
