@@ -279,11 +279,10 @@ def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
     )
 
 
-def _step(grad_fn, rule, delays, cfg: _Config, data, keys, local_lr, state: SimState):
-    data_words, delay_key, model_key = keys  # derived once per chunk, outside the scan
+def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state: SimState, step_keys):
+    """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and ``fold_in(model_key, t)`` for this t."""
+    k_delay, k_model = step_keys
     t = state.server.version
-    k_delay = jax.random.fold_in(delay_key, t)
-    k_model = jax.random.fold_in(model_key, t)
     push_state = lambda ms: ms if cfg.stateful else None
 
     if cfg.mode == "async":
@@ -345,9 +344,14 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int)
     def chunk(state, data, key, hparams, local_lr):
         rule, delays = rule_fn(hparams), delays_fn(hparams)
         data_key, delay_key, model_key = _split_key(key)
-        keys = (order.key_words(data_key), delay_key, model_key)
-        step = lambda s, _: _step(grad_fn, rule, delays, cfg, data, keys, local_lr, s)
-        state, metrics = jax.lax.scan(step, state, None, length=length)
+        data_words = order.key_words(data_key)
+        # Every update's keys in one vectorised PRNG call per chunk (on CPU each call inside the loop is a rolled
+        # loop of its own); identical to folding t in step by step.
+        ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
+        fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+        step_keys = (fold(delay_key, ts), fold(model_key, ts))
+        step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k)
+        state, metrics = jax.lax.scan(step, state, step_keys)
         return state, metrics, _evaluate(eval_fn, state)
 
     return chunk
