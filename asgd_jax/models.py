@@ -65,6 +65,105 @@ class CNN(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+class _BasicBlock(nn.Module):
+    """ResNet basic block (two 3x3 convs); the CIFAR shortcut is parameter-free (He et al. 2016, option A)."""
+
+    features: int
+    strides: int
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+        y = nn.Conv(self.features, (3, 3), self.strides, padding="SAME", use_bias=False)(x)
+        y = nn.relu(norm()(y))
+        y = nn.Conv(self.features, (3, 3), 1, padding="SAME", use_bias=False)(y)
+        y = norm()(y)
+        if self.strides != 1 or x.shape[-1] != self.features:
+            # Option A: subsample spatially and zero-pad the new channels.
+            x = x[:, :: self.strides, :: self.strides, :]
+            pad = self.features - x.shape[-1]
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (pad // 2, pad - pad // 2)))
+        return nn.relu(x + y)
+
+
+class CifarResNet(nn.Module):
+    """ResNet-{6n+2} for 32x32 inputs: a 3x3 conv, 3 stages of n basic blocks (16/32/64 channels), global pooling."""
+
+    num_classes: int
+    blocks_per_stage: int = 3
+    widths: Sequence[int] = (16, 32, 64)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(self.widths[0], (3, 3), padding="SAME", use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x))
+        for stage, width in enumerate(self.widths):
+            for block in range(self.blocks_per_stage):
+                x = _BasicBlock(width, 2 if stage > 0 and block == 0 else 1)(x, train)
+        return nn.Dense(self.num_classes)(x.mean(axis=(1, 2)))
+
+
+class _Bottleneck(nn.Module):
+    features: int
+    strides: int
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+        y = nn.relu(norm()(nn.Conv(self.features, (1, 1), use_bias=False)(x)))
+        y = nn.relu(norm()(nn.Conv(self.features, (3, 3), self.strides, padding="SAME", use_bias=False)(y)))
+        y = norm()(nn.Conv(4 * self.features, (1, 1), use_bias=False)(y))
+        if self.strides != 1 or x.shape[-1] != 4 * self.features:
+            x = norm()(nn.Conv(4 * self.features, (1, 1), self.strides, use_bias=False)(x))
+        return nn.relu(x + y)
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 for ImageNet (He et al. 2016): 7x7/2 stem, max-pool, bottleneck stages [3, 4, 6, 3]."""
+
+    num_classes: int
+    stages: Sequence[int] = (3, 4, 6, 3)
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Conv(64, (7, 7), 2, padding=[(3, 3), (3, 3)], use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x))
+        x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
+        for stage, blocks in enumerate(self.stages):
+            for block in range(blocks):
+                x = _Bottleneck(64 * 2**stage, 2 if stage > 0 and block == 0 else 1)(x, train)
+        return nn.Dense(self.num_classes)(x.mean(axis=(1, 2)))
+
+
+class ConvNet(nn.Module):
+    """A cuda-convnet style network (GPU A-SGD): conv 11x11/4 -> pool -> conv 5x5 -> pool -> 3 x conv 3x3 -> pool ->
+    two dropout fully connected layers -> logits, ReLU throughout.
+
+    ``width`` scales every layer (1.0: 96/256/384/384/256 channels and 4096 hidden units); ``stem_stride`` is 4 for
+    ImageNet-sized inputs and 1 (with a 5x5 first kernel) for CIFAR-sized ones.
+    """
+
+    num_classes: int
+    width: float = 1.0
+    stem_stride: int = 4
+    dropout: float = 0.5
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        c = lambda n: max(1, round(n * self.width))
+        pool = lambda y: nn.max_pool(y, (3, 3), (2, 2), padding="SAME")
+        kernel = (11, 11) if self.stem_stride > 1 else (5, 5)
+        x = pool(nn.relu(nn.Conv(c(96), kernel, self.stem_stride, padding="SAME")(x)))
+        x = pool(nn.relu(nn.Conv(c(256), (5, 5), padding="SAME")(x)))
+        for n in (384, 384, 256):
+            x = nn.relu(nn.Conv(c(n), (3, 3), padding="SAME")(x))
+        x = pool(x)
+        x = x.reshape((x.shape[0], -1))
+        for _ in range(2):
+            x = nn.Dropout(self.dropout, deterministic=not train)(nn.relu(nn.Dense(c(4096))(x)))
+        return nn.Dense(self.num_classes)(x)
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A model as pure functions.
@@ -84,7 +183,8 @@ class Model:
     def init(self, key: jax.Array) -> tuple[Params, ModelState]:
         """Returns ``(params, model_state)`` for a batch-of-one dummy input."""
         dummy = jnp.zeros((1, *self.input_shape), jnp.float32)
-        variables = self.module.init({"params": key, "dropout": key}, dummy, train=False)
+        # Jitted: one compile instead of hundreds of eagerly dispatched ops for the deep models.
+        variables = jax.jit(lambda k: self.module.init({"params": k, "dropout": k}, dummy, train=False))(key)
         variables = dict(variables)
         params = variables.pop("params")
         return params, variables
@@ -111,7 +211,13 @@ class Model:
         return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": MLP, "cnn": CNN}
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": MLP,
+    "cnn": CNN,
+    "resnet20": CifarResNet,
+    "resnet50": ResNet50,
+    "convnet": ConvNet,
+}
 """Model constructors by name; each takes ``num_classes`` and its own keyword options."""
 
 
@@ -119,10 +225,12 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
     """Builds a model by name.
 
     Args:
-      name: ``"mlp"`` or ``"cnn"``.
+      name: ``"mlp"``, ``"cnn"``, ``"resnet20"`` (CIFAR, 0.27M parameters), ``"resnet50"`` (ImageNet, 25.6M) or
+        ``"convnet"`` (cuda-convnet style, for GPU A-SGD).
       num_classes: number of classes (> 1).
       input_shape: shape of one example, channels last: ``(8, 8, 1)`` for digits, ``(40, 1)`` for mnist1d.
-      **options: forwarded to the module (``hidden=`` for ``mlp``; ``features=``, ``hidden=`` for ``cnn``).
+      **options: forwarded to the module (``hidden=`` for ``mlp``; ``features=``, ``hidden=`` for ``cnn``;
+        ``blocks_per_stage=`` for ``resnet20``; ``width=``, ``stem_stride=``, ``dropout=`` for ``convnet``).
 
     Returns:
       A :class:`Model`.
@@ -146,6 +254,8 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
         raise ValueError(
             f"input_shape={input_shape!r} does not fit 'cnn': it takes (length, channels) or (height, width, channels)."
         )
+    if name in ("resnet20", "resnet50", "convnet") and len(input_shape) != 3:
+        raise ValueError(f"input_shape={input_shape!r} does not fit {name!r}: it takes (height, width, channels).")
     return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes)
 
 
