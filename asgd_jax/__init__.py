@@ -1,15 +1,15 @@
 """asgd_jax: asynchronous SGD in JAX.
 
 Update rules (DC-ASGD and neighbours) as optax transforms, one pure parameter-server step, a deterministic staleness
-simulator that runs many asynchronous runs as one compiled program, and (later) a multi-device trainer that shares the
-same server step.
+simulator that runs many asynchronous runs as one compiled program, datasets and the papers' models by name, and a
+host-side shard loader that reproduces the simulator's minibatch order (for the multi-device trainer to come).
 
 Example:
   >>> import asgd_jax
   >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=2.0, adaptive=True)
 """
 
-from asgd_jax import checkpoint, data, delays, metrics, models, order, server
+from asgd_jax import checkpoint, data, delays, loader, metrics, models, order, preprocess, server
 from asgd_jax.models import classification_eval, classification_loss
 from asgd_jax.rules import (
     ScaleByDelayCompensationState,
@@ -40,9 +40,11 @@ __all__ = [
     "delays",
     "drop_stale",
     "grid",
+    "loader",
     "metrics",
     "models",
     "order",
+    "preprocess",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_staleness",

@@ -60,8 +60,9 @@ class AblationConfig:
     """One ablation.
 
     Attributes:
-      dataset: an embedded dataset name (``mnist1d``, ``digits``). mnist1d is the default because staleness visibly
-        hurts there; on digits every algorithm lands within noise of sequential SGD.
+      dataset: a dataset name (``mnist1d``, ``digits``, ``tfds:cifar10``, ...). mnist1d is the default because
+        staleness visibly hurts there; on digits every algorithm lands within noise of sequential SGD.
+      data_dir: TFDS data directory for ``tfds:`` datasets.
       model: a model name (``mlp``, ``cnn``).
       workers: worker counts M; 1 runs sequential SGD.
       algorithms: a subset of :data:`ALGORITHMS`.
@@ -80,6 +81,7 @@ class AblationConfig:
     """
 
     dataset: str = "mnist1d"
+    data_dir: str | None = None
     model: str = "mlp"
     workers: tuple[int, ...] = (1, 4, 8)
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
@@ -184,7 +186,7 @@ def run(config: AblationConfig, *, progress: bool = True) -> AblationResult:
       An :class:`AblationResult`; :func:`save` writes it, :func:`format_table` prints it.
     """
     start = time.perf_counter()
-    ds = data_lib.load(config.dataset)
+    ds = data_lib.load(config.dataset, data_dir=config.data_dir)
     model = models_lib.get(config.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
     params, model_state = model.init(jax.random.key(config.init_seed))
     loss_fn = models_lib.classification_loss(model)

@@ -1,7 +1,8 @@
 """The ``asgd-jax`` command line.
 
 Subcommands:
-  ablate   the staleness ablation (DC-ASGD Table 1 in miniature) on an embedded dataset.
+  ablate         the staleness ablation (DC-ASGD Table 1 in miniature).
+  data prepare   download and prepare a TFDS dataset once (the only command that downloads).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="about a minute on 2 CPU cores (3 seeds, 15 epochs)")
     p.add_argument("--out", default="results/ablation", help="output folder")
-    p.add_argument("--dataset", default=None, help="embedded dataset: mnist1d or digits [mnist1d]")
+    p.add_argument("--dataset", default=None, help="mnist1d, digits or tfds:<name> (e.g. tfds:cifar10) [mnist1d]")
+    p.add_argument("--data-dir", default=None, help="TFDS data directory [$TFDS_DATA_DIR or ~/tensorflow_datasets]")
     p.add_argument("--model", default=None, help="model: mlp or cnn [mlp]")
     p.add_argument("--workers", nargs="+", default=None, help="worker counts, e.g. 1 4 8 [1 4 8]")
     p.add_argument(
@@ -56,6 +58,7 @@ def _ablate(args: argparse.Namespace) -> int:
 
     overrides = {
         "dataset": args.dataset,
+        "data_dir": args.data_dir,
         "model": args.model,
         "workers": ablation.parse_ints(args.workers),
         "algorithms": tuple(args.algorithms) if args.algorithms else None,
@@ -85,6 +88,32 @@ def _ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="prepare TFDS datasets", description="Dataset management.")
+    data_sub = p.add_subparsers(title="commands", metavar="COMMAND")
+    prep = data_sub.add_parser(
+        "prepare",
+        help="download and prepare a TFDS dataset once (array_record)",
+        description=(
+            "Runs TFDS's download_and_prepare with array_record output, so training reads it later without "
+            "network access or TensorFlow. ImageNet needs --manual-dir with the archives downloaded by hand."
+        ),
+    )
+    prep.add_argument("name", help="cifar10, mnist, fashion_mnist, imagenet2012, or any TFDS name[:config]")
+    prep.add_argument("--data-dir", default=None, help="where to write [$TFDS_DATA_DIR or ~/tensorflow_datasets]")
+    prep.add_argument("--manual-dir", default=None, help="folder with manually downloaded archives (ImageNet)")
+    prep.set_defaults(func=_prepare)
+    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from asgd_jax import data
+
+    path = data.prepare(args.name, data_dir=args.data_dir, manual_dir=args.manual_dir)
+    print(f"Prepared {args.name} in {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asgd-jax",
@@ -92,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_ablate(sub)
+    _add_data(sub)
     return parser
 
 
@@ -104,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except ValueError as e:  # a user's mistake: say what and how to fix it, no traceback
+    except (ValueError, ImportError) as e:  # a user's mistake: say what and how to fix it, no traceback
         print(f"asgd-jax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,20 +1,32 @@
-"""Datasets by name: the embedded ones need no network.
+"""Datasets by name: the embedded ones need no network; TFDS ones are read from a prepared ``data_dir``.
 
 ``load("digits")`` is scikit-learn's bundled 8x8 digits (1,797 images); ``load("mnist1d")`` is MNIST-1D (Greydanus
 2020) generated offline by its own ``make_dataset`` with the reference arguments (the download path is never taken).
-Both come back as a :class:`Dataset` of float32 inputs with a channel axis and int32 labels, split and normalised the
-same way on every machine.
+``load("tfds:cifar10")`` (also ``tfds:mnist``, ``tfds:fashion_mnist``, any ``tfds:<name>[:<config>]`` of fixed-size
+images) reads a dataset that ``asgd-jax data prepare <name> --data-dir DIR`` prepared once, through
+``tfds.data_source`` (random access on array_record files, no TensorFlow needed). Nothing is ever downloaded
+implicitly: an unprepared dataset fails within seconds with the command that prepares it.
+
+Every dataset comes back as a :class:`Dataset` of float32 inputs with a channel axis (standardised per channel with
+training-split statistics) and int32 labels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["EMBEDDED", "Dataset", "load"]
+__all__ = ["EMBEDDED", "Dataset", "DatasetNotPrepared", "load", "prepare", "tfds_source"]
+
+TFDS_DOCUMENTED = ("cifar10", "mnist", "fashion_mnist", "imagenet2012")
+
+
+class DatasetNotPrepared(ValueError):
+    """A TFDS dataset is not prepared in the data directory; the message gives the command that prepares it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +123,119 @@ EMBEDDED: dict[str, Callable[[int], Dataset]] = {"digits": _digits, "mnist1d": _
 """The datasets that ship with the install and need no network."""
 
 
-def load(name: str, *, seed: int = 0) -> Dataset:
-    """Loads a dataset by name.
+def _parse_tfds(name: str) -> tuple[str, str | None]:
+    parts = name.split(":")
+    if len(parts) not in (2, 3) or not parts[1]:
+        raise ValueError(f"Dataset name {name!r} is invalid: use 'tfds:<name>' or 'tfds:<name>:<config>'.")
+    return parts[1], (parts[2] if len(parts) == 3 and parts[2] else None)
+
+
+def _tfds():
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise ImportError(
+            "TFDS datasets need tensorflow-datasets: pip install 'asgd_jax[tfds]' (or: pip install "
+            "tensorflow-datasets importlib_resources)."
+        ) from None
+    return tfds
+
+
+def _default_data_dir(data_dir: str | os.PathLike | None) -> str:
+    return os.fspath(data_dir or os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets"))
+
+
+def _require_prepared(builder, name: str, data_dir: str) -> None:
+    """Fails fast (no network, no TFDS retry loop) when ``builder`` has no prepared files."""
+    if not os.path.exists(os.path.join(builder.data_dir, "dataset_info.json")):
+        raise DatasetNotPrepared(
+            f"Dataset {name!r} is not prepared: looked for {builder.data_dir}/dataset_info.json. Prepare it once "
+            f"(needs network access; ImageNet also needs --manual-dir with the downloaded archives):\n"
+            f"    asgd-jax data prepare {name} --data-dir {data_dir}"
+        )
+
+
+def tfds_source(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
+    """A random-access source (``len`` and ``source[i] -> dict``) over a prepared TFDS split; never downloads.
 
     Args:
-      name: ``"digits"`` (8x8 images, 1,438 train / 359 test) or ``"mnist1d"`` (length-40 signals, 4,000 / 1,000).
+      name: ``"tfds:<name>[:<config>]"``.
+      split: a TFDS split, e.g. ``"train"`` or ``"test[:10%]"``.
+      data_dir: where the dataset was prepared (default ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+
+    Returns:
+      ``(source, builder_info)``.
+
+    Raises:
+      DatasetNotPrepared: with the ``asgd-jax data prepare`` command to run.
+    """
+    tfds = _tfds()
+    ds_name, config = _parse_tfds(name)
+    data_dir = _default_data_dir(data_dir)
+    full = ds_name if config is None else f"{ds_name}/{config}"
+    try:
+        builder = tfds.builder(full, data_dir=data_dir)
+    except Exception as e:  # an unknown name: TFDS's own message lists close matches
+        raise ValueError(f"TFDS has no dataset {full!r}: {e}") from None
+    _require_prepared(builder, name, data_dir)
+    source = tfds.data_source(full, split=split, data_dir=data_dir, download=False)
+    return source, builder.info
+
+
+def _read_all(source, image_key: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    n = len(source)
+    try:
+        records = source.__getitems__(list(range(n)))
+    except Exception:  # sources without batched reads (e.g. TFDS's mocks)
+        records = [source[i] for i in range(n)]
+    x = np.stack([np.asarray(r[image_key]) for r in records])
+    y = np.asarray([int(r[label_key]) for r in records], np.int32)
+    return x, y
+
+
+@functools.cache
+def _tfds_dataset(name: str, data_dir: str, train_split: str, test_split: str) -> Dataset:
+    train, info = tfds_source(name, train_split, data_dir=data_dir)
+    test, _ = tfds_source(name, test_split, data_dir=data_dir)
+    features = info.features
+    image_key = "image" if "image" in features else next(iter(features))
+    label_key = "label" if "label" in features else list(features)[-1]
+    shape = getattr(features[image_key], "shape", None)
+    if shape is None or None in tuple(shape):
+        raise ValueError(
+            f"{name!r} has images of varying size {shape}: load() keeps datasets in memory and needs a fixed shape. "
+            "Stream it instead (the trainer's host-side iterator)."
+        )
+    x_tr, y_tr = _read_all(train, image_key, label_key)
+    x_te, y_te = _read_all(test, image_key, label_key)
+    x_tr, x_te = _standardise(x_tr.astype(np.float64), x_te.astype(np.float64))
+    num_classes = int(getattr(features[label_key], "num_classes", int(max(y_tr.max(), y_te.max())) + 1))
+    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=num_classes)
+
+
+def load(
+    name: str,
+    *,
+    seed: int = 0,
+    data_dir: str | os.PathLike | None = None,
+    train_split: str = "train",
+    test_split: str = "test",
+) -> Dataset:
+    """Loads a dataset by name, fully into host memory.
+
+    Args:
+      name: ``"digits"`` (8x8 images, 1,438 train / 359 test), ``"mnist1d"`` (length-40 signals, 4,000 / 1,000), or
+        ``"tfds:<name>[:<config>]"`` for a prepared TFDS dataset of fixed-size images (``tfds:cifar10``,
+        ``tfds:mnist``, ``tfds:fashion_mnist``).
       seed: selects the train/test split (digits) or the generated sample (mnist1d); 0 is the reference.
+      data_dir: TFDS only: where the dataset was prepared (default ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+      train_split, test_split: TFDS only: the splits to read.
 
     Returns:
       A :class:`Dataset`; repeated calls return the same cached object.
+
+    Raises:
+      DatasetNotPrepared: a TFDS dataset that was not prepared (the message says how).
 
     Example:
       >>> import asgd_jax
@@ -127,9 +243,38 @@ def load(name: str, *, seed: int = 0) -> Dataset:
       >>> ds.x_train.shape, ds.x_test.shape, ds.num_classes
       ((1438, 8, 8, 1), (359, 8, 8, 1), 10)
     """
+    if name.startswith("tfds:"):
+        return _tfds_dataset(name, _default_data_dir(data_dir), train_split, test_split)
     if name not in EMBEDDED:
         known = ", ".join(sorted(EMBEDDED))
-        raise ValueError(f"Unknown dataset {name!r}. Known datasets: {known}.")
+        raise ValueError(
+            f"Unknown dataset {name!r}. Embedded datasets: {known}; TFDS datasets: 'tfds:<name>' (e.g. "
+            f"{', '.join('tfds:' + n for n in TFDS_DOCUMENTED)})."
+        )
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} is invalid: use a non-negative int.")
     return EMBEDDED[name](seed)
+
+
+def prepare(
+    name: str, *, data_dir: str | os.PathLike | None = None, manual_dir: str | os.PathLike | None = None
+) -> str:
+    """Downloads and prepares a TFDS dataset once, as array_record files (TFDS's own download_and_prepare).
+
+    This is the only function in asgd_jax that downloads. ImageNet (``imagenet2012``) needs the archives downloaded
+    by hand into ``manual_dir`` first. Some TFDS builders need TensorFlow installed to prepare (not to read).
+
+    Returns:
+      The folder the dataset was written to.
+    """
+    tfds = _tfds()
+    ds_name, config = _parse_tfds(name if name.startswith("tfds:") else f"tfds:{name}")
+    full = ds_name if config is None else f"{ds_name}/{config}"
+    data_dir = _default_data_dir(data_dir)
+    try:
+        builder = tfds.builder(full, data_dir=data_dir)
+    except Exception as e:
+        raise ValueError(f"TFDS has no dataset {full!r}: {e}") from None
+    download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir) if manual_dir else None)
+    builder.download_and_prepare(file_format="array_record", download_config=download_config)
+    return builder.data_dir

@@ -1,0 +1,136 @@
+"""Host-side minibatches for one worker: its shard of every epoch, in the simulator's order, prefetched on a thread.
+
+A :class:`ShardLoader` is what a trainer's worker reads when the data does not live on the device: it walks the same
+layout as the simulator (:func:`asgd_jax.simulator.shard_indices` under the run's key), so worker w's k-th batch here is
+the simulator's worker w's k-th batch, which is what makes a recorded run replayable. Batches have a fixed shape (the
+remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` batches ready.
+
+Example:
+  >>> import numpy as np, jax, asgd_jax
+  >>> data = {"x": np.arange(20.0)[:, None], "y": np.arange(20)}
+  >>> with asgd_jax.loader.ShardLoader(data, worker=1, num_workers=2, batch_size=4, key=jax.random.key(0)) as it:
+  ...     batch = next(it)
+  >>> batch["x"].shape, batch["y"].shape
+  ((4, 1), (4,))
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from asgd_jax import simulator
+
+__all__ = ["ShardLoader"]
+
+
+class ShardLoader(Iterator[dict[str, np.ndarray]]):
+    """Iterates one worker's minibatches forever (epoch after epoch), from a background thread.
+
+    Args:
+      source: a dict of arrays with a leading example axis, or a random-access source (``len(source)`` and
+        ``source[i] -> dict``, e.g. :func:`asgd_jax.data.tfds_source`).
+      worker: this worker's shard, in ``[0, num_workers)``.
+      num_workers: number of shards.
+      batch_size: examples per batch (fixed).
+      key: the run's key (the same key gives the simulator's order).
+      transform: optional ``transform(batch) -> batch`` applied on the host thread (decoding, normalisation).
+      start_batch: how many of this worker's batches to skip (resume).
+      prefetch: batches kept ready.
+    """
+
+    def __init__(
+        self,
+        source: Mapping[str, np.ndarray] | Any,
+        *,
+        worker: int,
+        num_workers: int,
+        batch_size: int,
+        key: jax.Array,
+        transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        start_batch: int = 0,
+        prefetch: int = 2,
+    ):
+        self._arrays = isinstance(source, Mapping)
+        n = len(next(iter(source.values()))) if self._arrays else len(source)
+        for name, value, lowest in (("num_workers", num_workers, 1), ("batch_size", batch_size, 1),
+                                    ("prefetch", prefetch, 1), ("start_batch", start_batch, 0)):  # fmt: skip
+            if not isinstance(value, int) or value < lowest:
+                raise ValueError(f"{name}={value!r} is invalid: use an int >= {lowest}.")
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker={worker!r} is invalid: use an int in [0, {num_workers}).")
+        shard_size = n // num_workers
+        if batch_size > shard_size:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than a shard: {n} examples over {num_workers} workers leaves "
+                f"{shard_size} per shard."
+            )
+        self.source, self.worker, self.num_workers, self.batch_size = source, worker, num_workers, batch_size
+        self.num_examples, self.per_epoch = n, shard_size // batch_size
+        self.key, self.transform = key, transform
+        self.taken = start_batch  # batches handed out so far
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(start_batch,), daemon=True, name=f"loader-{worker}")
+        self._thread.start()
+
+    def indices(self, j: int) -> np.ndarray:
+        """Example indices of this worker's j-th batch (pure: no state)."""
+        epoch, k = divmod(j, self.per_epoch)
+        with jax.default_device(jax.devices("cpu")[0]):
+            shard = simulator.shard_indices(self.key, epoch, self.num_examples, self.num_workers)[self.worker]
+        return np.asarray(shard[k * self.batch_size : (k + 1) * self.batch_size])
+
+    def _batch(self, j: int) -> dict[str, np.ndarray]:
+        idx = self.indices(j)
+        if self._arrays:
+            batch = {k: np.asarray(v)[idx] for k, v in self.source.items()}
+        else:
+            records = [self.source[int(i)] for i in idx]
+            batch = {k: np.stack([np.asarray(r[k]) for r in records]) for k in records[0]}
+        return self.transform(batch) if self.transform is not None else batch
+
+    def _fill(self, j: int) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._batch(j)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                j += 1
+        except BaseException as e:  # surfaced to the consumer, not lost on the thread
+            self._queue.put(e)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._stop.is_set():
+            raise StopIteration
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise RuntimeError(f"loader of worker {self.worker} failed: {item}") from item
+        self.taken += 1
+        return item
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch."""
+        return self.taken // self.per_epoch
+
+    def close(self) -> None:
+        """Stops the prefetch thread (idempotent)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> ShardLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,134 @@
+"""TFDS datasets, tested with tfds.testing.mock_data and never the network."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import asgd_jax
+from asgd_jax import data
+from asgd_jax.cli import main
+
+tfds = pytest.importorskip("tensorflow_datasets")
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("network is unreachable (blocked by the test)")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def mocked(monkeypatch, no_network):
+    """TFDS's mock data; it has no files on disk, so the prepared-files check is bypassed (tested separately)."""
+    monkeypatch.setattr(data, "_require_prepared", lambda *args: None)
+    data._tfds_dataset.cache_clear()
+    with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
+        yield
+    data._tfds_dataset.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "classes"),
+    [("tfds:cifar10", (32, 32, 3), 10), ("tfds:mnist", (28, 28, 1), 10), ("tfds:fashion_mnist", (28, 28, 1), 10)],
+)
+def test_tfds_datasets_load_into_memory(mocked, tmp_path, name, shape, classes):
+    ds = data.load(name, data_dir=tmp_path)
+    assert ds.input_shape == shape and ds.num_classes == classes
+    assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int32
+    assert len(ds.y_train) == 24 and len(ds.y_test) == 24
+    np.testing.assert_allclose(ds.x_train.mean(axis=(0, 1, 2)), 0.0, atol=1e-4)  # per-channel standardised
+    assert ds.y_train.min() >= 0 and ds.y_train.max() < classes
+
+
+def test_imagenet_source_streams_and_refuses_in_memory_loading(mocked, tmp_path):
+    source, info = data.tfds_source("tfds:imagenet2012", "validation", data_dir=tmp_path)
+    example = source[0]
+    assert example["image"].ndim == 3 and example["image"].shape[-1] == 3
+    assert info.features["label"].num_classes == 1000
+    with pytest.raises(ValueError, match="varying size"):
+        data.load("tfds:imagenet2012", data_dir=tmp_path, test_split="validation")
+
+
+def test_tfds_dataset_trains_through_the_simulator(mocked, tmp_path):
+    ds = data.load("tfds:mnist", data_dir=tmp_path)
+    model = asgd_jax.models.get("mlp", num_classes=ds.num_classes, input_shape=ds.input_shape, hidden=(16,))
+    params, state = model.init(jax.random.key(0))
+    result = asgd_jax.simulate(
+        asgd_jax.classification_loss(model), asgd_jax.asgd(0.1), params, ds.train, delays=asgd_jax.delays.Workers(2),
+        batch_size=4, num_updates=30, model_state=state, progress=False,
+    )  # fmt: skip
+    assert result.metrics["loss"][-10:].mean() < result.metrics["loss"][:10].mean()
+
+
+def test_unprepared_dataset_fails_fast_offline_with_the_prepare_command(no_network, tmp_path):
+    data._tfds_dataset.cache_clear()
+    start = time.perf_counter()
+    with pytest.raises(data.DatasetNotPrepared) as info:
+        data.load("tfds:cifar10", data_dir=tmp_path)
+    assert time.perf_counter() - start < 10
+    message = str(info.value)
+    assert "'tfds:cifar10' is not prepared" in message
+    assert str(tmp_path) in message
+    assert f"asgd-jax data prepare tfds:cifar10 --data-dir {tmp_path}" in message
+
+
+def test_bad_tfds_names_raise(no_network, tmp_path):
+    with pytest.raises(ValueError, match="tfds:<name>"):
+        data.load("tfds:", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="no dataset 'not_a_dataset_xyz'"):
+        data.load("tfds:not_a_dataset_xyz", data_dir=tmp_path)
+
+
+def test_cli_reports_an_unprepared_dataset(no_network, tmp_path, capsys):
+    data._tfds_dataset.cache_clear()
+    argv = ["ablate", "--dataset", "tfds:cifar10", "--data-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "asgd-jax data prepare tfds:cifar10" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cifar10_resnet20_experiment_runs_end_to_end_on_mock_data(mocked, tmp_path):
+    import dataclasses
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "cifar10_resnet20.py"
+    spec = importlib.util.spec_from_file_location("cifar10_resnet20", path)
+    experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiment)
+    cfg = experiment.CONFIG
+    # The paper's setup, pinned (PAPERS.md section 1).
+    assert (cfg.dataset, cfg.model, cfg.workers, cfg.epochs, cfg.batch_size) == ("tfds:cifar10", "resnet20", (1, 4, 8),
+                                                                                 160.0, 128)  # fmt: skip
+    assert (cfg.learning_rate, cfg.lam_c, cfg.lam_a, cfg.mean_square_decay, cfg.momentum) == (
+        0.5,
+        0.04,
+        2.0,
+        0.95,
+        None,
+    )
+    assert ablation_schedule_boundaries(160) == (80, 120)
+    # A few updates end to end on mock CIFAR-10: one worker count, shrunk batch and budget.
+    small = dataclasses.replace(cfg, data_dir=str(tmp_path), workers=(2,), algorithms=("asgd", "dc_asgd_a"),
+                                seeds=(0,), epochs=2.0, batch_size=4, evals=2, window=2)  # fmt: skip
+    result = experiment.run(small, out=str(tmp_path / "out"), progress=False)
+    assert {r["algorithm"] for r in result.runs} == {"asgd", "dc_asgd_a"}
+    assert (tmp_path / "out" / "curves.png").exists()
+
+
+def ablation_schedule_boundaries(num_updates):
+    """The learning-rate drops of the ablation's schedule, found by evaluating it."""
+    from asgd_jax.ablation import _schedule
+
+    schedule = _schedule(0.5, num_updates)
+    values = [float(schedule(t)) for t in range(num_updates + 1)]
+    return tuple(t for t in range(1, num_updates + 1) if values[t] < values[t - 1] * 0.5)
