@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/asgd-jax ablate --quick --out results/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

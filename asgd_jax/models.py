@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from asgd_jax import preprocess
+
 __all__ = [
     "MODELS",
     "Model",
@@ -269,12 +271,20 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return (jnp.argmax(logits, axis=-1) == labels).mean()
 
 
-def classification_loss(model: Model) -> Callable:
+def classification_loss(model: Model, *, augment: bool = False, padding: int = 4) -> Callable:
     """The training loss of ``model`` in the simulator's stateful form.
+
+    Args:
+      model: the model.
+      augment: apply :func:`asgd_jax.preprocess.random_crop_flip` (pad by ``padding``, random crop back to size,
+        random horizontal flip) to every training minibatch, keyed by the update's key. Off by default: DC-ASGD's
+        CIFAR-10 runs used no augmentation.
+      padding: the padding of the random crop.
 
     Returns:
       ``loss_fn(params, model_state, batch, key) -> (loss, (model_state, {"error": error}))`` for a batch
-      ``{"x": inputs, "y": int labels}``; ``key`` drives dropout, ``error`` is the minibatch's training error.
+      ``{"x": inputs, "y": int labels}``; ``key`` drives dropout (and augmentation), ``error`` is the minibatch's
+      training error.
 
     Example:
       >>> import jax, asgd_jax
@@ -287,7 +297,10 @@ def classification_loss(model: Model) -> Callable:
     """
 
     def loss_fn(params, model_state, batch, key):
-        logits, model_state = model.apply(params, model_state, batch["x"], train=True, key=key)
+        x = batch["x"]
+        if augment:
+            x = preprocess.random_crop_flip(jax.random.fold_in(key, 1), x, padding)
+        logits, model_state = model.apply(params, model_state, x, train=True, key=key)
         return cross_entropy(logits, batch["y"]), (
             model_state,
             {"error": 1.0 - accuracy(logits, batch["y"])},
@@ -296,12 +309,29 @@ def classification_loss(model: Model) -> Callable:
     return loss_fn
 
 
-def classification_eval(model: Model, data: dict[str, Any], batch_size: int = 1024) -> Callable:
+def classification_eval(
+    model: Model, data: dict[str, Any], batch_size: int = 1024, *, crop: int | None = None, multi_crop: bool = False
+) -> Callable:
     """An ``eval_fn(params, model_state) -> {"loss", "error"}`` over a whole held-out split, in inference mode.
 
     The split is evaluated in fixed-size batches (``lax.map``), the remainder in one smaller batch, so memory stays
     bounded and nothing recompiles.
+
+    Args:
+      model: the model.
+      data: ``{"x", "y"}`` of the held-out split.
+      batch_size: evaluation batch size.
+      crop: evaluate on the central ``crop x crop`` window of each image.
+      multi_crop: average the logits of the ten crops of size ``crop`` (four corners, centre, and their horizontal
+        flips): GPU A-SGD's multi-crop testing.
     """
+
+    def logits_of(params, model_state, xb):
+        apply = lambda v: model.apply(params, model_state, v, train=False)[0]
+        if multi_crop:
+            return preprocess.multi_crop_logits(apply, xb, crop or xb.shape[1])
+        return apply(xb if crop is None else preprocess.center_crop(xb, crop))
+
     x, y = jnp.asarray(data["x"]), jnp.asarray(data["y"])
     n = int(y.shape[0])
     if n == 0:
@@ -310,7 +340,7 @@ def classification_eval(model: Model, data: dict[str, Any], batch_size: int = 10
     full = n // size
 
     def sums(params, model_state, xb, yb):
-        logits, _ = model.apply(params, model_state, xb, train=False)
+        logits = logits_of(params, model_state, xb)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
         return losses.sum(), (jnp.argmax(logits, -1) != yb).sum()
 

@@ -17,3 +17,19 @@ import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+import socket  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails, the way it does on a machine without network."""
+
+    def refuse(*args, **kwargs):
+        raise OSError("network is unreachable (blocked by the test)")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import asgd_jax
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    """Any attempt to open a socket fails the test loudly."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the test tried to reach the network")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 @pytest.mark.parametrize(

@@ -116,3 +116,29 @@ def test_random_crop_flip_is_keyed_and_keeps_content():
     np.testing.assert_array_equal(unpadded, x)
     with pytest.raises(ValueError, match="crop size=7"):
         preprocess.center_crop(x, 7)
+
+
+def test_multi_crop_evaluation_averages_the_ten_crops():
+    model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(8, 8, 3), blocks_per_stage=1)
+    params, state = model.init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, 8, 8, 3))
+    y = jnp.arange(5) % 10
+    got = jax.jit(asgd_jax.classification_eval(model, {"x": x, "y": y}, crop=6, multi_crop=True))(params, state)
+    logits = jnp.mean(jnp.stack([model.apply(params, state, c)[0] for c in preprocess.ten_crops(x, 6)]), axis=0)
+    np.testing.assert_allclose(got["loss"], asgd_jax.models.cross_entropy(logits, y), rtol=1e-5)
+    centre = jax.jit(asgd_jax.classification_eval(model, {"x": x, "y": y}, crop=6))(params, state)
+    want = asgd_jax.models.cross_entropy(model.apply(params, state, preprocess.center_crop(x, 6))[0], y)
+    np.testing.assert_allclose(centre["loss"], want, rtol=1e-5)
+
+
+def test_training_augmentation_is_optional_keyed_and_changes_the_batch():
+    model = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
+    params, state = model.init(jax.random.key(0))
+    batch = {"x": jax.random.normal(jax.random.key(1), (6, 8, 8, 1)), "y": jnp.arange(6)}
+    plain = asgd_jax.classification_loss(model)
+    augmented = jax.jit(asgd_jax.classification_loss(model, augment=True))
+    base = plain(params, state, batch, jax.random.key(2))[0]
+    a = augmented(params, state, batch, jax.random.key(2))[0]
+    assert float(a) != float(base)
+    np.testing.assert_array_equal(a, augmented(params, state, batch, jax.random.key(2))[0])
+    assert float(augmented(params, state, batch, jax.random.key(3))[0]) != float(a)

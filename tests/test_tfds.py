@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import jax
@@ -14,15 +13,6 @@ from asgd_jax import data
 from asgd_jax.cli import main
 
 tfds = pytest.importorskip("tensorflow_datasets")
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise OSError("network is unreachable (blocked by the test)")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 @pytest.fixture
