@@ -2,14 +2,14 @@
 
 Update rules (DC-ASGD and neighbours) as optax transforms, one pure parameter-server step, a deterministic staleness
 simulator that runs many asynchronous runs as one compiled program, datasets and the papers' models by name, and a
-host-side shard loader that reproduces the simulator's minibatch order (for the multi-device trainer to come).
+multi-device trainer whose parameter store runs the same server step and records a trace the simulator replays.
 
 Example:
   >>> import asgd_jax
   >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=2.0, adaptive=True)
 """
 
-from asgd_jax import checkpoint, data, delays, loader, metrics, models, order, preprocess, server
+from asgd_jax import checkpoint, data, delays, loader, metrics, models, order, preprocess, server, store, trainer
 from asgd_jax.models import classification_eval, classification_loss
 from asgd_jax.rules import (
     ScaleByDelayCompensationState,
@@ -51,5 +51,7 @@ __all__ = [
     "server",
     "simulate",
     "staleness_aware_sgd",
+    "store",
     "sweep",
+    "trainer",
 ]

@@ -3,6 +3,7 @@
 Subcommands:
   ablate         the staleness ablation (DC-ASGD Table 1 in miniature).
   data prepare   download and prepare a TFDS dataset once (the only command that downloads).
+  train          real asynchronous training: worker threads on the devices JAX sees, a host-side parameter store.
 """
 
 from __future__ import annotations
@@ -114,6 +115,96 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+RULES = ("asgd", "dc_asgd", "dc_asgd_a", "staleness_aware", "delay_adaptive")
+
+
+def make_rule(name: str, lr: float, lam: float | None, workers: int, momentum: float | None):
+    """A rule by its CLI name (``dc_asgd`` is DC-ASGD-c; ``--lam`` defaults to the paper's 0.04 / 2)."""
+    from asgd_jax import rules
+
+    if name == "asgd":
+        return rules.asgd(lr, momentum=momentum)
+    if name == "dc_asgd":
+        return rules.dc_asgd(lr, 0.04 if lam is None else lam, momentum=momentum)
+    if name == "dc_asgd_a":
+        return rules.dc_asgd(lr, 2.0 if lam is None else lam, adaptive=True, momentum=momentum)
+    if name == "staleness_aware":
+        return rules.staleness_aware_sgd(lr, momentum=momentum)
+    if name == "delay_adaptive":
+        return rules.delay_adaptive_sgd(lr, workers, momentum=momentum)
+    raise ValueError(f"rule={name!r} is invalid: use one of {', '.join(RULES)}.")
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="asynchronous training on the devices JAX sees (GPUs, or fake CPU devices)",
+        description=(
+            "One worker thread per device (worker w on device w mod #devices) pushes to a host-side parameter store "
+            "that applies the rule with the simulator's server step. Writes trace.jsonl (replayable with "
+            "asgd_jax.delays.Trace.load) and summary.json into --out."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--dataset", default="digits", help="mnist1d, digits or tfds:<name>")
+    p.add_argument("--data-dir", default=None, help="TFDS data directory")
+    p.add_argument("--model", default="mlp", help="mlp, cnn, resnet20, convnet, ...")
+    p.add_argument("--rule", default="dc_asgd_a", choices=RULES)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2000, help="server updates (applied pushes)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lam", type=float, default=None, help="DC-ASGD lambda_0 [0.04 for -c, 2 for -a]")
+    p.add_argument("--momentum", type=float, default=None)
+    p.add_argument("--n-sync", type=int, default=1, help="minibatches between exchanges (GPU A-SGD)")
+    p.add_argument("--push", default="gradients", choices=["gradients", "delta", "accumulate"])
+    p.add_argument("--local-lr", type=float, default=None, help="local step size when --n-sync > 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--on-worker-failure", default="continue", choices=["continue", "stop"])
+    p.add_argument("--out", default="runs/train")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import jax
+
+    from asgd_jax import data, models, trainer
+
+    ds = data.load(args.dataset, data_dir=args.data_dir)
+    model = models.get(args.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
+    rule = make_rule(args.rule, args.lr, args.lam, args.workers, args.momentum)
+    params, model_state = model.init(jax.random.key(args.seed))
+    devices = jax.devices()
+    print(f"asgd-jax train: {args.workers} workers on {len(devices)} {devices[0].platform} device(s), {args.rule}, "
+          f"{args.steps} updates", flush=True)  # fmt: skip
+    result = trainer.train(
+        models.classification_loss(model), rule, params, ds.train, num_workers=args.workers, steps=args.steps,
+        batch_size=args.batch_size, key=jax.random.key(args.seed), model_state=model_state, n_sync=args.n_sync,
+        push=args.push, local_learning_rate=args.local_lr, out_dir=args.out,
+        on_worker_failure=args.on_worker_failure,
+    )  # fmt: skip
+    error = float(models.classification_eval(model, ds.test)(result.params, result.model_state)["error"])
+    summary = {
+        "test_error": error,
+        "pushes_sent": result.pushes_sent,
+        "pushes_applied": result.pushes_applied,
+        "pushes_rejected": result.pushes_rejected,
+        "failures": result.failures,
+        "seconds": result.seconds,
+        "updates_per_second": result.pushes_applied / max(result.seconds, 1e-9),
+        "args": vars(args) | {"func": None},
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    print(f"test error {100 * error:.2f}% | pushes sent {result.pushes_sent}, applied {result.pushes_applied}, "
+          f"rejected {result.pushes_rejected} | {summary['updates_per_second']:.0f} updates/s | "
+          f"trace: {result.trace_path}")  # fmt: skip
+    return 0 if not result.failures else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asgd-jax",
@@ -122,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_ablate(sub)
     _add_data(sub)
+    _add_train(sub)
     return parser
 
 

@@ -86,7 +86,8 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
             shard = simulator.shard_indices(self.key, epoch, self.num_examples, self.num_workers)[self.worker]
         return np.asarray(shard[k * self.batch_size : (k + 1) * self.batch_size])
 
-    def _batch(self, j: int) -> dict[str, np.ndarray]:
+    def batch(self, j: int) -> dict[str, np.ndarray]:
+        """This worker's j-th batch, transformed (pure: does not advance the iterator)."""
         idx = self.indices(j)
         if self._arrays:
             batch = {k: np.asarray(v)[idx] for k, v in self.source.items()}
@@ -98,7 +99,7 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
     def _fill(self, j: int) -> None:
         try:
             while not self._stop.is_set():
-                item = self._batch(j)
+                item = self.batch(j)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)

@@ -1,0 +1,222 @@
+"""The host-side parameter store: the simulator's server step, applied to pushes from real worker threads.
+
+Workers ``pull`` the weights once and then ``push`` payloads; one applier thread applies the pushes one at a time, in
+arrival order, with the same pure :func:`asgd_jax.server.push` the simulator scans, and right after applying a push
+records that worker's pull (:func:`asgd_jax.server.pull`) and hands it the fresh weights. That push-then-pull is
+atomic, which is exactly the simulator's semantics, so the recorded trace (``trace.jsonl``: one line per applied push)
+replays in the simulator as ``asgd_jax.delays.Trace.load(path)``.
+
+Bad pushes never touch the model: a wrong tree structure, shape or dtype is rejected at ``push`` with a clear error;
+a payload with NaN/Inf is rejected (counted) or, with ``on_nonfinite="stop"``, closes the store with a clear message.
+Every push is counted exactly once as applied or rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from asgd_jax import server
+
+__all__ = ["BadPush", "ParameterStore", "StoreClosed"]
+
+
+class BadPush(ValueError):
+    """A push that does not fit the model (structure, shape, dtype) or holds NaN/Inf."""
+
+
+class StoreClosed(RuntimeError):
+    """The store stopped taking pushes (the step budget is reached, or it was closed)."""
+
+
+class ParameterStore:
+    """A parameter server on the host that applies pushes with a rule.
+
+    Args:
+      rule: the update rule (any optax transform of :mod:`asgd_jax.rules`).
+      params: initial weights w_0.
+      num_workers: M; worker ids are ``0..M-1``.
+      model_state: initial non-trained model state (BatchNorm), or ``None``.
+      max_updates: close after this many applied pushes (``None``: never).
+      out_dir: if given, ``trace.jsonl`` is written there as pushes are applied.
+      on_nonfinite: ``"reject"`` (count and drop the push) or ``"stop"`` (close the store with an error).
+      device: where the server state lives (default: the first CPU device).
+    """
+
+    def __init__(
+        self,
+        rule: optax.GradientTransformation,
+        params: Any,
+        num_workers: int,
+        *,
+        model_state: Any = None,
+        max_updates: int | None = None,
+        out_dir: str | os.PathLike | None = None,
+        on_nonfinite: str = "reject",
+        device: jax.Device | None = None,
+    ):
+        if on_nonfinite not in ("reject", "stop"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
+        self.device = device or jax.devices("cpu")[0]
+        self.num_workers, self.max_updates, self.on_nonfinite = num_workers, max_updates, on_nonfinite
+        with jax.default_device(self.device):
+            state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
+        self._state = jax.device_put(state, self.device)
+        self._structure = jax.tree.structure(state.params)
+        self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
+        self._stateful = model_state is not None
+        # The very same server step the simulator scans, jitted for the host.
+        self._push = jax.jit(lambda s, w, g, ms: server.pull(server.push(rule, s, w, g, ms)[0], w))
+        self._push_keep_state = jax.jit(lambda s, w, g: server.pull(server.push(rule, s, w, g, None)[0], w))
+        self._pull = jax.jit(server.pull)
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self.error: BaseException | None = None
+        self.received = self.applied = self.rejected = 0
+        self._trace_file = None
+        self._t0 = time.perf_counter()
+        if out_dir is not None:
+            os.makedirs(out_dir, exist_ok=True)
+            self._trace_file = open(os.path.join(out_dir, "trace.jsonl"), "w")  # noqa: SIM115 (closed in close())
+        self._applier = threading.Thread(target=self._apply_loop, daemon=True, name="store-applier")
+        self._applier.start()
+
+    # -- the worker-facing API ----------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.applied
+
+    def pull(self, worker: int) -> tuple[Any, Any, int]:
+        """Records ``worker``'s backup; returns ``(params, model_state, version)`` (no copy: arrays are immutable)."""
+        self._check_worker(worker)
+        with self._lock:
+            self._state = self._pull(self._state, np.int32(worker))
+            return self._state.params, self._state.model_state, self.applied
+
+    def push(self, worker: int, payload: Any, pulled_version: int, model_state: Any = None) -> Future:
+        """Queues a payload computed at the weights of ``pulled_version``.
+
+        Returns:
+          A future resolving to ``(params, model_state, version)``: the weights right after this push was applied,
+          already recorded as this worker's backup (its next pull). It raises :class:`BadPush` for a rejected
+          non-finite payload and :class:`StoreClosed` once the store stopped.
+
+        Raises:
+          BadPush: at once, for a payload whose structure, shapes or dtypes do not fit the model.
+          StoreClosed: when the store no longer takes pushes.
+        """
+        self._check_worker(worker)
+        future: Future = Future()
+        with self._lock:
+            self.received += 1
+            if self._closed.is_set():
+                self.rejected += 1
+                raise StoreClosed(self._closed_reason())
+            problem = self._misfit(payload)
+            if problem:
+                self.rejected += 1
+                raise BadPush(f"push from worker {worker} rejected: {problem}")
+        self._queue.put((worker, payload, pulled_version, model_state, future))
+        return future
+
+    def close(self) -> None:
+        """Stops taking pushes, lets the applier finish the queue, closes the trace."""
+        self._closed.set()
+        self._queue.put(None)
+        self._applier.join(timeout=30)
+        if self._trace_file is not None and not self._trace_file.closed:
+            self._trace_file.close()
+
+    def state(self) -> server.ServerState:
+        """A consistent snapshot of the whole server state."""
+        with self._lock:
+            return self._state
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    # -- internals ----------------------------------------------------------------------------------------------------
+
+    def _check_worker(self, worker: int) -> None:
+        if not isinstance(worker, int | np.integer) or not 0 <= worker < self.num_workers:
+            raise ValueError(f"worker={worker!r} is invalid: use an int in [0, {self.num_workers}).")
+
+    def _misfit(self, payload: Any) -> str | None:
+        if jax.tree.structure(payload) != self._structure:
+            return f"tree structure {jax.tree.structure(payload)} differs from the model's {self._structure}"
+        for i, (x, (shape, dtype)) in enumerate(zip(jax.tree.leaves(payload), self._leaves, strict=True)):
+            if np.shape(x) != shape or np.result_type(x) != dtype:
+                return f"leaf {i} is {np.result_type(x)}{list(np.shape(x))}, the model's is {dtype}{list(shape)}"
+        return None
+
+    def _closed_reason(self) -> str:
+        if self.error is not None:
+            return f"the store stopped: {self.error}"
+        return f"the store is closed after {self.applied} updates"
+
+    def _apply_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            worker, payload, pulled_version, model_state, future = item
+            if self._closed.is_set() and (self.max_updates is not None and self.applied >= self.max_updates):
+                with self._lock:
+                    self.rejected += 1
+                future.set_exception(StoreClosed(self._closed_reason()))
+                continue
+            if not all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(payload)):
+                with self._lock:
+                    self.rejected += 1
+                    message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
+                    if self.on_nonfinite == "stop":
+                        self.error = BadPush(message + "; stopping (on_nonfinite='stop')")
+                        self._closed.set()
+                future.set_exception(BadPush(message))
+                continue
+            with self._lock:
+                payload = jax.device_put(payload, self.device)
+                if self._stateful and model_state is not None:
+                    ms = jax.device_put(model_state, self.device)
+                    self._state = self._push(self._state, np.int32(worker), payload, ms)
+                else:
+                    self._state = self._push_keep_state(self._state, np.int32(worker), payload)
+                self.applied += 1
+                record = {
+                    "worker": int(worker),
+                    "pulled_version": int(pulled_version),
+                    "applied_version": self.applied,
+                    "staleness": self.applied - 1 - int(pulled_version),
+                    "time": time.perf_counter() - self._t0,
+                }
+                if self._trace_file is not None:
+                    self._trace_file.write(json.dumps(record) + "\n")
+                    self._trace_file.flush()
+                result = (self._state.params, self._state.model_state, self.applied)
+                if self.max_updates is not None and self.applied >= self.max_updates:
+                    self._closed.set()
+            future.set_result(result)
+        # Anything still queued after close is rejected, so pushes sent == applied + rejected.
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                with self._lock:
+                    self.rejected += 1
+                item[-1].set_exception(StoreClosed(self._closed_reason()))
