@@ -74,17 +74,22 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         self.num_examples, self.per_epoch = n, shard_size // batch_size
         self.key, self.transform = key, transform
         self.taken = start_batch  # batches handed out so far
+        self._cache: tuple[int, np.ndarray] = (-1, np.empty(0, np.int32))
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(start_batch,), daemon=True, name=f"loader-{worker}")
         self._thread.start()
 
     def indices(self, j: int) -> np.ndarray:
-        """Example indices of this worker's j-th batch (pure: no state)."""
+        """Example indices of this worker's j-th batch (a pure function of j; the epoch's shard is cached)."""
         epoch, k = divmod(j, self.per_epoch)
-        with jax.default_device(jax.devices("cpu")[0]):
-            shard = simulator.shard_indices(self.key, epoch, self.num_examples, self.num_workers)[self.worker]
-        return np.asarray(shard[k * self.batch_size : (k + 1) * self.batch_size])
+        cached_epoch, shard = self._cache  # one attribute, swapped atomically: safe across the two threads
+        if cached_epoch != epoch:
+            with jax.default_device(jax.devices("cpu")[0]):
+                shards = simulator.shard_indices(self.key, epoch, self.num_examples, self.num_workers)
+            shard = np.asarray(shards[self.worker])
+            self._cache = (epoch, shard)
+        return shard[k * self.batch_size : (k + 1) * self.batch_size]
 
     def batch(self, j: int) -> dict[str, np.ndarray]:
         """This worker's j-th batch, transformed (pure: does not advance the iterator)."""

@@ -13,6 +13,8 @@ same function for the simulator and for any host-side loader that must reproduce
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -69,6 +71,7 @@ def example_index(words: jax.Array, epoch: int | jax.Array, positions: jax.Array
     return y.astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("num_examples", "num_shards"))
 def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num_shards: int) -> jax.Array:
     """The example indices of every shard in one epoch: ``[num_shards, num_examples // num_shards]`` int32.
 
