@@ -9,6 +9,7 @@ implementation detail.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -182,12 +183,15 @@ class Model:
     input_shape: tuple[int, ...]
     num_classes: int
 
+    @functools.cached_property
+    def _init(self) -> Callable:
+        # Jitted once per model: one compile instead of hundreds of eagerly dispatched ops for the deep models.
+        dummy = jnp.zeros((1, *self.input_shape), jnp.float32)
+        return jax.jit(lambda k: self.module.init({"params": k, "dropout": k}, dummy, train=False))
+
     def init(self, key: jax.Array) -> tuple[Params, ModelState]:
         """Returns ``(params, model_state)`` for a batch-of-one dummy input."""
-        dummy = jnp.zeros((1, *self.input_shape), jnp.float32)
-        # Jitted: one compile instead of hundreds of eagerly dispatched ops for the deep models.
-        variables = jax.jit(lambda k: self.module.init({"params": k, "dropout": k}, dummy, train=False))(key)
-        variables = dict(variables)
+        variables = dict(self._init(key))
         params = variables.pop("params")
         return params, variables
 

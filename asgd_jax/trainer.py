@@ -159,9 +159,10 @@ def train(
                     params_h, ms_h, version = future.result(timeout=timeout)
                 except StoreClosed:
                     break
-                except BadPush as e:  # rejected (non-finite): keep the old weights, go on
+                except BadPush as e:  # rejected (non-finite): pull fresh weights and go on
                     log.warning("worker %d: %s", w, e)
-                    params_h, ms_h, version = (*jax.device_get(store.pull(w)[:2]), store.version)
+                    pulled, pulled_ms, version = store.pull(w)
+                    params_h, ms_h = jax.device_get((pulled, pulled_ms))
         except Exception as e:
             failures[w] = repr(e)
             log.error("worker %d failed: %r", w, e)

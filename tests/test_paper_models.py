@@ -119,15 +119,16 @@ def test_random_crop_flip_is_keyed_and_keeps_content():
 
 
 def test_multi_crop_evaluation_averages_the_ten_crops():
-    model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(8, 8, 3), blocks_per_stage=1)
+    model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(8, 8, 3), blocks_per_stage=1, widths=(4, 8, 8))
     params, state = model.init(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (5, 8, 8, 3))
     y = jnp.arange(5) % 10
     got = jax.jit(asgd_jax.classification_eval(model, {"x": x, "y": y}, crop=6, multi_crop=True))(params, state)
-    logits = jnp.mean(jnp.stack([model.apply(params, state, c)[0] for c in preprocess.ten_crops(x, 6)]), axis=0)
+    apply = jax.jit(lambda c: model.apply(params, state, c)[0])
+    logits = jnp.mean(jnp.stack([apply(c) for c in preprocess.ten_crops(x, 6)]), axis=0)
     np.testing.assert_allclose(got["loss"], asgd_jax.models.cross_entropy(logits, y), rtol=1e-5)
     centre = jax.jit(asgd_jax.classification_eval(model, {"x": x, "y": y}, crop=6))(params, state)
-    want = asgd_jax.models.cross_entropy(model.apply(params, state, preprocess.center_crop(x, 6))[0], y)
+    want = asgd_jax.models.cross_entropy(apply(preprocess.center_crop(x, 6)), y)
     np.testing.assert_allclose(centre["loss"], want, rtol=1e-5)
 
 
@@ -135,7 +136,7 @@ def test_training_augmentation_is_optional_keyed_and_changes_the_batch():
     model = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
     params, state = model.init(jax.random.key(0))
     batch = {"x": jax.random.normal(jax.random.key(1), (6, 8, 8, 1)), "y": jnp.arange(6)}
-    plain = asgd_jax.classification_loss(model)
+    plain = jax.jit(asgd_jax.classification_loss(model))
     augmented = jax.jit(asgd_jax.classification_loss(model, augment=True))
     base = plain(params, state, batch, jax.random.key(2))[0]
     a = augmented(params, state, batch, jax.random.key(2))[0]

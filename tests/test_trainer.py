@@ -127,3 +127,15 @@ def test_cli_train_writes_a_replayable_trace(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["pushes_applied"] == 30 and 0.0 <= summary["test_error"] <= 1.0
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 30
+
+
+def test_non_finite_pushes_are_rejected_and_training_goes_on():
+    poisoned = {"x": DATA["x"].copy(), "y": DATA["y"]}
+    poisoned["x"][7] = np.nan  # every batch holding example 7 yields a NaN gradient
+    result = train(
+        lsq_loss, asgd_jax.asgd(0.05), W0, poisoned, num_workers=2, steps=40, batch_size=8, key=jax.random.key(1),
+        devices=jax.devices()[:2],
+    )  # fmt: skip
+    assert result.pushes_applied == 40 and result.pushes_rejected >= 1
+    assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
+    assert np.isfinite(result.params).all() and not result.failures
