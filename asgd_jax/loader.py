@@ -85,9 +85,10 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         epoch, k = divmod(j, self.per_epoch)
         cached_epoch, shard = self._cache  # one attribute, swapped atomically: safe across the two threads
         if cached_epoch != epoch:
-            with jax.default_device(jax.devices("cpu")[0]):
-                shards = simulator.shard_indices(self.key, epoch, self.num_examples, self.num_workers)
-            shard = np.asarray(shards[self.worker])
+            cpu = jax.devices("cpu")[0]
+            key, epoch_arr = jax.device_put((self.key, np.int32(epoch)), cpu)  # explicit host -> CPU-device copy
+            shards = simulator.shard_indices(key, epoch_arr, self.num_examples, self.num_workers)
+            shard = jax.device_get(shards)[self.worker]  # explicit device -> host copy, then index on the host
             self._cache = (epoch, shard)
         return shard[k * self.batch_size : (k + 1) * self.batch_size]
 

@@ -71,6 +71,7 @@ class ParameterStore:
         self.device = device or jax.devices("cpu")[0]
         self.num_workers, self.max_updates, self.on_nonfinite = num_workers, max_updates, on_nonfinite
         with jax.default_device(self.device):
+            params, model_state = jax.device_put((params, model_state), self.device)  # explicit, never implicit
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
         self._state = jax.device_put(state, self.device)
         self._structure = jax.tree.structure(state.params)
@@ -103,7 +104,7 @@ class ParameterStore:
         """Records ``worker``'s backup; returns ``(params, model_state, version)`` (no copy: arrays are immutable)."""
         self._check_worker(worker)
         with self._lock:
-            self._state = self._pull(self._state, np.int32(worker))
+            self._state = self._pull(self._state, self._id(worker))
             return self._state.params, self._state.model_state, self.applied
 
     def push(self, worker: int, payload: Any, pulled_version: int, model_state: Any = None) -> Future:
@@ -151,6 +152,9 @@ class ParameterStore:
 
     # -- internals ----------------------------------------------------------------------------------------------------
 
+    def _id(self, worker: int) -> jax.Array:
+        return jax.device_put(np.int32(worker), self.device)
+
     def _check_worker(self, worker: int) -> None:
         if not isinstance(worker, int | np.integer) or not 0 <= worker < self.num_workers:
             raise ValueError(f"worker={worker!r} is invalid: use an int in [0, {self.num_workers}).")
@@ -192,9 +196,9 @@ class ParameterStore:
                 payload = jax.device_put(payload, self.device)
                 if self._stateful and model_state is not None:
                     ms = jax.device_put(model_state, self.device)
-                    self._state = self._push(self._state, np.int32(worker), payload, ms)
+                    self._state = self._push(self._state, self._id(worker), payload, ms)
                 else:
-                    self._state = self._push_keep_state(self._state, np.int32(worker), payload)
+                    self._state = self._push_keep_state(self._state, self._id(worker), payload)
                 self.applied += 1
                 record = {
                     "worker": int(worker),

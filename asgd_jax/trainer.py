@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -101,7 +100,9 @@ def train(
         raise ValueError(f"on_worker_failure={on_worker_failure!r} is invalid: use 'continue' or 'stop'.")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} is invalid: use an int >= 1.")
-    key = jax.random.key(0) if key is None else key
+    if key is None:
+        with jax.transfer_guard("allow"):  # the default key is the one deliberate host -> device copy
+            key = jax.random.key(0)
     delays = simulator.delays_lib.Workers(num_workers)
     num_examples, shard_size = simulator._validate(
         data, delays, mode="async", n_sync=n_sync, push=push, batch_size=batch_size, num_updates=steps,
@@ -111,8 +112,9 @@ def train(
     stateful = model_state is not None
     cfg = simulator._Config("async", n_sync, push, batch_size, num_examples, shard_size, stateful, 1)
     grad_fn = jax.value_and_grad(simulator._as_stateful(loss_fn, stateful), has_aux=True)
-    local_lr = jnp.float32(0.0 if local_learning_rate is None else local_learning_rate)
-    work = jax.jit(lambda p, ms, b, k: simulator._work(grad_fn, cfg, p, ms, b, k, local_lr))
+    local_lr = np.float32(0.0 if local_learning_rate is None else local_learning_rate)  # a compile-time constant
+    # The update's model key is folded in on the device, from the explicitly transferred pulled version.
+    work = jax.jit(lambda p, ms, b, k, v: simulator._work(grad_fn, cfg, p, ms, b, jax.random.fold_in(k, v), local_lr))
     model_key = simulator._split_key(key)[2]
     model_state = {} if model_state is None else model_state
 
@@ -131,7 +133,8 @@ def train(
         if device not in placed:
             p, ms = jax.device_put((w0, ms0), device)
             dummy = jax.device_put(_stack([loaders[w].batch(0)] * n_sync), device)
-            jax.block_until_ready(work(p, ms, dummy, jax.device_put(model_key, device)))
+            k, v = jax.device_put((model_key, np.int32(0)), device)
+            jax.block_until_ready(work(p, ms, dummy, k, v))
             placed[device] = True
 
     sent = [0] * num_workers
@@ -146,8 +149,8 @@ def train(
             while not stop.is_set() and not store.closed:
                 batches = _stack([next(loaders[w]) for _ in range(n_sync)])
                 p, ms, b = jax.device_put((params_h, ms_h, batches), device)
-                k = jax.device_put(jax.random.fold_in(model_key, version), device)
-                payload, new_ms, loss, _ = work(p, ms, b, k)
+                k, v = jax.device_put((model_key, np.int32(version)), device)
+                payload, new_ms, loss, _ = work(p, ms, b, k, v)
                 payload, new_ms, loss = jax.device_get((payload, new_ms, loss))  # explicit device -> host copy
                 sent[w] += 1
                 try:

@@ -25,14 +25,27 @@ def lsq_loss(w, batch):
     return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
 
 
+@pytest.fixture
+def no_implicit_transfers():
+    """Every host <-> device copy in the trainer must be explicit (device_put / device_get)."""
+    jax.config.update("jax_transfer_guard", "disallow")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_transfer_guard", "allow")
+
+
 @pytest.mark.parametrize("rule_name", ["asgd", "dc_asgd_a"])
-def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name):
+def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, request):
     make = {"asgd": lambda: asgd_jax.asgd(0.05), "dc_asgd_a": lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)}
     key = jax.random.key(5)
+    rule = make[rule_name]()
+    request.getfixturevalue("no_implicit_transfers")
     result = train(
-        lsq_loss, make[rule_name](), W0, DATA, num_workers=4, steps=40, batch_size=4, key=key,
-        devices=jax.devices()[:4], out_dir=tmp_path,
+        lsq_loss, rule, W0, DATA, num_workers=4, steps=40, batch_size=4, key=key, devices=jax.devices()[:4],
+        out_dir=tmp_path,
     )  # fmt: skip
+    jax.config.update("jax_transfer_guard", "allow")  # the replay below is ordinary host-side code
     assert result.pushes_applied == 40
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
     assert not result.failures
