@@ -71,6 +71,7 @@ def example_index(words: jax.Array, epoch: int | jax.Array, positions: jax.Array
     return y.astype(jnp.int32)
 
 
+# Jitted: host-side callers (loaders, test references) ask once per epoch; eagerly it would recompile every time.
 @functools.partial(jax.jit, static_argnames=("num_examples", "num_shards"))
 def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num_shards: int) -> jax.Array:
     """The example indices of every shard in one epoch: ``[num_shards, num_examples // num_shards]`` int32.

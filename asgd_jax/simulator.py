@@ -18,7 +18,6 @@ every epoch the shards are disjoint and the data is re-partitioned randomly acro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import itertools
 import math
@@ -178,12 +177,6 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
       >>> idx.shape, len(set(idx.ravel().tolist()))
       ((3, 3), 9)
     """
-    return _shard_indices(key, epoch, num_examples, num_shards)
-
-
-@functools.partial(jax.jit, static_argnames=("num_examples", "num_shards"))
-def _shard_indices(key, epoch, num_examples: int, num_shards: int) -> jax.Array:
-    # Jitted: host-side callers (loaders, references) ask for it once per epoch, eagerly it would compile every time.
     return order.shard_indices(_split_key(key)[0], epoch, num_examples=num_examples, num_shards=num_shards)
 
 

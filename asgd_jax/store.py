@@ -78,8 +78,8 @@ class ParameterStore:
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self._stateful = model_state is not None
         # The very same server step the simulator scans, jitted for the host.
-        self._push = jax.jit(lambda s, w, g, ms: server.pull(server.push(rule, s, w, g, ms)[0], w))
-        self._push_keep_state = jax.jit(lambda s, w, g: server.pull(server.push(rule, s, w, g, None)[0], w))
+        # A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
+        self._exchange = jax.jit(lambda s, w, g, ms: _push_then_pull(rule, s, w, g, ms))
         self._pull = jax.jit(server.pull)
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -193,18 +193,15 @@ class ParameterStore:
                 future.set_exception(BadPush(message))
                 continue
             with self._lock:
-                payload = jax.device_put(payload, self.device)
-                if self._stateful and model_state is not None:
-                    ms = jax.device_put(model_state, self.device)
-                    self._state = self._push(self._state, self._id(worker), payload, ms)
-                else:
-                    self._state = self._push_keep_state(self._state, self._id(worker), payload)
+                ms = model_state if self._stateful else None
+                payload, ms = jax.device_put((payload, ms), self.device)
+                self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
                 self.applied += 1
                 record = {
                     "worker": int(worker),
                     "pulled_version": int(pulled_version),
                     "applied_version": self.applied,
-                    "staleness": self.applied - 1 - int(pulled_version),
+                    "staleness": int(jax.device_get(staleness)),  # as the server step saw it
                     "time": time.perf_counter() - self._t0,
                 }
                 if self._trace_file is not None:
@@ -224,3 +221,9 @@ class ParameterStore:
                 with self._lock:
                     self.rejected += 1
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
+
+
+def _push_then_pull(rule, state: server.ServerState, worker, payload, model_state):
+    """The store's exchange: apply the push, then record that worker's pull, atomically (the simulator's order)."""
+    state, staleness = server.push(rule, state, worker, payload, model_state)
+    return server.pull(state, worker), staleness

@@ -126,7 +126,8 @@ def train(
     loaders = [
         ShardLoader(data, worker=w, num_workers=num_workers, batch_size=batch_size, key=key) for w in range(num_workers)
     ]
-    w0, ms0 = jax.device_get((store.state().params, store.state().model_state))
+    initial = store.state()
+    w0, ms0 = jax.device_get((initial.params, initial.model_state))
     placed = {}
     for w in range(num_workers):  # compile and warm up every device before the clock starts
         device = devices[w % len(devices)]
