@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["load", "save"]
+__all__ = ["load", "load_model", "save", "save_model"]
 
 _HEADER = "__header__"
 
@@ -69,3 +69,26 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
                 f"{np.asarray(want).dtype}{list(np.shape(want))}: it was written by a different configuration."
             )
     return jax.tree.unflatten(treedef, leaves), arrays, header
+
+
+def save_model(path: str | os.PathLike, params: Any, model_state: Any = None) -> None:
+    """Writes a model's weights (and model state) atomically: what a warm start loads."""
+    save(path, {"params": params, "model_state": model_state or {}}, {}, {"kind": "model"})
+
+
+def load_model(path: str | os.PathLike, params: Any, model_state: Any = None) -> tuple[Any, Any]:
+    """Reads :func:`save_model`'s file (or the ``model.npz`` in a run folder) into the structure of a freshly
+    initialised ``params`` / ``model_state``; returns ``(params, model_state)``.
+
+    Raises:
+      ValueError: when there is no such file, or it holds another model.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "model.npz")
+    if not os.path.exists(path):
+        raise ValueError(f"No saved model at {path}: give a model.npz, or a run folder of asgd-jax train.")
+    state, _, header = load(path, {"params": params, "model_state": model_state or {}})
+    if header.get("kind") != "model":
+        raise ValueError(f"{path} is not a saved model (kind={header.get('kind')!r}): give a run's model.npz.")
+    return state["params"], (state["model_state"] if model_state is not None else None)

@@ -9,6 +9,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -140,19 +141,24 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="asynchronous training on the devices JAX sees (GPUs, or fake CPU devices)",
         description=(
-            "One worker thread per device (worker w on device w mod #devices) pushes to a host-side parameter store "
-            "that applies the rule with the simulator's server step. Writes trace.jsonl (replayable with "
-            "asgd_jax.delays.Trace.load) and summary.json into --out."
+            "Worker threads (worker w on device group w mod #groups) push to a host-side parameter store that "
+            "applies the rule with the simulator's server step. Writes trace.jsonl (replayable with "
+            "asgd_jax.delays.Trace.load), metrics.jsonl, checkpoint.npz, model.npz and summary.json into --out. "
+            "Ctrl-C writes a final checkpoint; --resume continues. --config FILE (TOML or JSON, keys are the flag "
+            "names) replaces flags; flags given on the command line win."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--config", default=None, help="TOML or JSON file of flag values, e.g. workers = 4")
     p.add_argument("--dataset", default="digits", help="mnist1d, digits or tfds:<name>")
     p.add_argument("--data-dir", default=None, help="TFDS data directory")
     p.add_argument("--model", default="mlp", help="mlp, cnn, resnet20, convnet, ...")
     p.add_argument("--rule", default="dc_asgd_a", choices=RULES)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2000, help="server updates (applied pushes)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--mode", default="async", choices=["async", "sync"], help="sync: SSGD baseline, same devices")
+    p.add_argument("--devices-per-worker", type=int, default=1, help="devices per worker (batch split over them)")
+    p.add_argument("--steps", type=int, default=2000, help="server updates (applied pushes), warm-up included")
+    p.add_argument("--batch-size", type=int, default=32, help="minibatch per worker")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--lam", type=float, default=None, help="DC-ASGD lambda_0 [0.04 for -c, 2 for -a]")
     p.add_argument("--momentum", type=float, default=None)
@@ -160,9 +166,49 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--push", default="gradients", choices=["gradients", "delta", "accumulate"])
     p.add_argument("--local-lr", type=float, default=None, help="local step size when --n-sync > 1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start", default=None, metavar="CHECKPOINT", help="start from a saved model.npz / run dir")
+    p.add_argument("--warm-start-steps", type=int, default=0, help="first K updates with a single worker")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="updates between checkpoints [steps/10]")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    p.add_argument("--eval-every", type=int, default=None, help="updates between evaluations [steps/10]")
     p.add_argument("--on-worker-failure", default="continue", choices=["continue", "stop"])
+    p.add_argument("--on-nonfinite", default="reject", choices=["reject", "stop"], help="NaN/Inf pushes")
+    p.add_argument("--slowdown", nargs="+", default=None, metavar="W:F", help="straggler study: worker W F x slower")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the run is stopped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="runs/train")
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_train, parser=p)
+
+
+def _parse_slowdown(values: Sequence[str] | None) -> dict[int, float]:
+    out = {}
+    for v in values or ():
+        try:
+            w, f = v.split(":")
+            out[int(w)] = float(f)
+        except ValueError:
+            raise ValueError(f"--slowdown {v!r} is invalid: use WORKER:FACTOR, e.g. 0:4") from None
+    return out
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Reads a TOML/JSON file of flag values (``n-sync`` or ``n_sync``), checked against ``parser``'s flags."""
+    import json
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            values = json.load(f) if path.endswith(".json") else tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file.") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--config {path} does not parse: {e}") from None
+    known = {a.dest for a in parser._actions} - {"help", "config", "func", "parser"}
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use: {', '.join(sorted(known))}.")
+    return values
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -171,31 +217,49 @@ def _train(args: argparse.Namespace) -> int:
 
     import jax
 
-    from asgd_jax import data, models, trainer
+    from asgd_jax import checkpoint, data, models, trainer
 
+    slowdown = _parse_slowdown(args.slowdown)
     ds = data.load(args.dataset, data_dir=args.data_dir)
     model = models.get(args.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
     rule = make_rule(args.rule, args.lr, args.lam, args.workers, args.momentum)
     params, model_state = model.init(jax.random.key(args.seed))
+    if args.warm_start:
+        params, model_state = checkpoint.load_model(args.warm_start, params, model_state)
     devices = jax.devices()
-    print(f"asgd-jax train: {args.workers} workers on {len(devices)} {devices[0].platform} device(s), {args.rule}, "
-          f"{args.steps} updates", flush=True)  # fmt: skip
-    result = trainer.train(
-        models.classification_loss(model), rule, params, ds.train, num_workers=args.workers, steps=args.steps,
-        batch_size=args.batch_size, key=jax.random.key(args.seed), model_state=model_state, n_sync=args.n_sync,
-        push=args.push, local_learning_rate=args.local_lr, out_dir=args.out,
-        on_worker_failure=args.on_worker_failure,
-    )  # fmt: skip
-    error = float(models.classification_eval(model, ds.test)(result.params, result.model_state)["error"])
+    every = max(1, args.steps // 10)
+    print(f"asgd-jax train: {args.workers} {args.mode} workers on {len(devices)} {devices[0].platform} device(s) "
+          f"({args.devices_per_worker} per worker), {args.rule}, {args.steps} updates -> {args.out}",
+          flush=True)  # fmt: skip
+    try:
+        result = trainer.train(
+            models.classification_loss(model), rule, params, ds.train, num_workers=args.workers, steps=args.steps,
+            batch_size=args.batch_size, key=jax.random.key(args.seed), model_state=model_state, mode=args.mode,
+            n_sync=args.n_sync, push=args.push, local_learning_rate=args.local_lr, devices=devices,
+            devices_per_worker=args.devices_per_worker, out_dir=args.out,
+            checkpoint_every=args.checkpoint_every or every, resume=args.resume,
+            warm_start_steps=args.warm_start_steps, eval_fn=models.classification_eval(model, ds.test),
+            eval_every=args.eval_every or every, progress=not args.no_progress,
+            on_worker_failure=args.on_worker_failure, on_nonfinite=args.on_nonfinite,
+            slowdown=slowdown, timeout=args.timeout,
+        )  # fmt: skip
+    except KeyboardInterrupt as e:
+        print(f"asgd-jax: {e} (checkpoint in {args.out}; add --resume to continue)", file=sys.stderr)
+        return 130
+    error = result.evals[-1]["error"]
     summary = {
         "test_error": error,
+        "evals": result.evals,
         "pushes_sent": result.pushes_sent,
         "pushes_applied": result.pushes_applied,
         "pushes_rejected": result.pushes_rejected,
         "failures": result.failures,
+        "resumed_from": result.resumed_from,
         "seconds": result.seconds,
-        "updates_per_second": result.pushes_applied / max(result.seconds, 1e-9),
-        "args": vars(args) | {"func": None},
+        "updates_per_second": (result.pushes_applied - result.resumed_from) / max(result.seconds, 1e-9),
+        "worker_overhead": [w.overhead for w in result.workers],
+        "staleness_counts": result.staleness_counts,
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "parser")},
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
@@ -224,7 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
+    logging.basicConfig(level=logging.WARNING, format="asgd-jax: %(levelname)s: %(name)s: %(message)s")
     try:
+        if getattr(args, "config", None):  # file values become the defaults; flags on the command line still win
+            args.parser.set_defaults(**load_config(args.config, args.parser))
+            args = parser.parse_args(argv)
         return args.func(args)
     except (ValueError, ImportError) as e:  # a user's mistake: say what and how to fix it, no traceback
         print(f"asgd-jax: error: {e}", file=sys.stderr)

@@ -9,11 +9,21 @@ replays in the simulator as ``asgd_jax.delays.Trace.load(path)``.
 Bad pushes never touch the model: a wrong tree structure, shape or dtype is rejected at ``push`` with a clear error;
 a payload with NaN/Inf is rejected (counted) or, with ``on_nonfinite="stop"``, closes the store with a clear message.
 Every push is counted exactly once as applied or rejected.
+
+Checkpoints (``checkpoint_dir``): the whole server state (weights, rule state, model state, every worker's backup and
+pulled version, the version), the counts and each worker's data position (pushes it got applied or rejected as
+non-finite: the minibatches it used up) go to ``checkpoint.npz``, written atomically (temporary file, fsync, rename:
+a process killed mid-write leaves the previous one loadable) every ``checkpoint_every`` updates by a writer thread that
+never stalls the applier, and once more at :meth:`ParameterStore.close`. ``resume=True`` restores it and cuts
+``trace.jsonl`` back to the checkpoint's version, so the trace of a resumed run still replays in the simulator.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -25,9 +35,15 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import server
+from asgd_jax import checkpoint, server
 
 __all__ = ["BadPush", "ParameterStore", "StoreClosed"]
+
+
+log = logging.getLogger("asgd_jax.store")
+
+CHECKPOINT = "checkpoint.npz"
+TRACE = "trace.jsonl"
 
 
 class BadPush(ValueError):
@@ -50,6 +66,14 @@ class ParameterStore:
       out_dir: if given, ``trace.jsonl`` is written there as pushes are applied.
       on_nonfinite: ``"reject"`` (count and drop the push) or ``"stop"`` (close the store with an error).
       device: where the server state lives (default: the first CPU device).
+      checkpoint_dir: where ``checkpoint.npz`` goes (``None``: no checkpoints).
+      checkpoint_every: write a checkpoint every this many applied updates (``None``: only at :meth:`close`).
+      resume: restore ``checkpoint_dir``'s checkpoint if there is one; without ``resume`` an existing checkpoint is
+        an error (it would be overwritten).
+      header: JSON-able facts about the run stored with the checkpoint; a resume whose header differs in any key is
+        refused (another worker count, batch size, data order...).
+      snapshot_every, on_snapshot: ``on_snapshot(version, params, model_state)`` is called by the applier right after
+        every ``snapshot_every``-th update (no copy; it must return quickly, e.g. enqueue an evaluation).
     """
 
     def __init__(
@@ -63,17 +87,39 @@ class ParameterStore:
         out_dir: str | os.PathLike | None = None,
         on_nonfinite: str = "reject",
         device: jax.Device | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        resume: bool = False,
+        header: dict[str, Any] | None = None,
+        snapshot_every: int | None = None,
+        on_snapshot=None,
     ):
         if on_nonfinite not in ("reject", "stop"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
+        for name, value in (("checkpoint_every", checkpoint_every), ("snapshot_every", snapshot_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: use an int >= 1, or None.")
         self.device = device or jax.devices("cpu")[0]
         self.num_workers, self.max_updates, self.on_nonfinite = num_workers, max_updates, on_nonfinite
         with jax.default_device(self.device):
             params, model_state = jax.device_put((params, model_state), self.device)  # explicit, never implicit
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
         self._state = jax.device_put(state, self.device)
+        self.received = self.applied = self.rejected = 0
+        self.done = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
+        self.staleness_counts: collections.Counter[int] = collections.Counter()
+        self.header = dict(header or {}, num_workers=num_workers)
+        self.checkpoint_path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), CHECKPOINT)
+        self.checkpoint_every, self.resumed_from = checkpoint_every, 0
+        if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path):
+            if not resume:
+                raise ValueError(
+                    f"{checkpoint_dir} already holds a checkpoint ({self.checkpoint_path}): pass resume=True "
+                    "(--resume) to continue that run, or choose another output folder."
+                )
+            self._restore(self.checkpoint_path)
         self._structure = jax.tree.structure(state.params)
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self._stateful = model_state is not None
@@ -81,16 +127,22 @@ class ParameterStore:
         # A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
         self._exchange = jax.jit(lambda s, w, g, ms: _push_then_pull(rule, s, w, g, ms))
         self._pull = jax.jit(server.pull)
+        self._backup = jax.jit(
+            lambda s, i: (*jax.tree.map(lambda x: x[i], (s.backup_params, s.backup_model_state)), s.backup_version[i])
+        )
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self.error: BaseException | None = None
-        self.received = self.applied = self.rejected = 0
+        self.snapshot_every, self._on_snapshot = snapshot_every, on_snapshot
         self._trace_file = None
         self._t0 = time.perf_counter()
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
-            self._trace_file = open(os.path.join(out_dir, "trace.jsonl"), "w")  # noqa: SIM115 (closed in close())
+            self._trace_file = _open_trace(os.path.join(out_dir, TRACE), keep=self.applied)
+        self._writes: queue.Queue = queue.Queue(maxsize=1)
+        self._writer = threading.Thread(target=self._write_loop, daemon=True, name="store-checkpoints")
+        self._writer.start()
         self._applier = threading.Thread(target=self._apply_loop, daemon=True, name="store-applier")
         self._applier.start()
 
@@ -133,13 +185,35 @@ class ParameterStore:
         self._queue.put((worker, payload, pulled_version, model_state, future))
         return future
 
+    def backup(self, worker: int) -> tuple[Any, Any, int]:
+        """``worker``'s backup: the weights, model state and version it last pulled (w_0 and 0 before any pull)."""
+        self._check_worker(worker)
+        with self._lock:
+            params, model_state, version = self._backup(self._state, self._id(worker))
+        return params, model_state, int(jax.device_get(version))
+
     def close(self) -> None:
-        """Stops taking pushes, lets the applier finish the queue, closes the trace."""
-        self._closed.set()
-        self._queue.put(None)
-        self._applier.join(timeout=30)
+        """Stops taking pushes, lets the applier finish the queue, writes the final checkpoint, closes the trace."""
+        if self._applier.is_alive():
+            self._closed.set()
+            self._queue.put(None)
+            self._applier.join(timeout=60)
+        if self._writer.is_alive():
+            self._writes.put(None)
+            self._writer.join(timeout=600)
+            if self.checkpoint_path is not None:
+                self.save_checkpoint()
         if self._trace_file is not None and not self._trace_file.closed:
             self._trace_file.close()
+
+    def save_checkpoint(self) -> str:
+        """Writes a consistent checkpoint now (atomically); returns its path."""
+        if self.checkpoint_path is None:
+            raise ValueError("this store has no checkpoint_dir: pass checkpoint_dir= to ParameterStore.")
+        with self._lock:
+            snapshot = self._snapshot()
+        self._write(snapshot)
+        return self.checkpoint_path
 
     def state(self) -> server.ServerState:
         """A consistent snapshot of the whole server state."""
@@ -167,6 +241,39 @@ class ParameterStore:
                 return f"leaf {i} is {np.result_type(x)}{list(np.shape(x))}, the model's is {dtype}{list(shape)}"
         return None
 
+    def _snapshot(self) -> tuple:
+        counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received}
+        return self._state, self.done.copy(), counts, dict(self.staleness_counts)
+
+    def _write(self, snapshot: tuple) -> None:
+        state, done, counts, staleness = snapshot
+        header = {**self.header, **counts, "staleness_counts": {str(k): v for k, v in staleness.items()}}
+        checkpoint.save(self.checkpoint_path, state, {"done": done}, header)
+
+    def _write_loop(self) -> None:
+        while (snapshot := self._writes.get()) is not None:
+            try:
+                self._write(snapshot)
+            except Exception as e:  # a full disk must not kill training; the next write may succeed
+                log.error("checkpoint write to %s failed: %r", self.checkpoint_path, e)
+
+    def _restore(self, path: str) -> None:
+        state, arrays, header = checkpoint.load(path, self._state)
+        mismatched = {k: (header.get(k), v) for k, v in self.header.items() if header.get(k) != v}
+        if mismatched:
+            details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
+            raise ValueError(
+                f"Cannot resume from {path}: it was written by a different run ({details}). "
+                "Use the same settings, or another output folder."
+            )
+        self._state = jax.device_put(state, self.device)
+        self.applied, self.rejected = header["applied"], header["rejected"]
+        self.received = self.applied + self.rejected  # pushes in flight at the checkpoint are lost and sent again
+        self.done = np.asarray(arrays["done"], np.int64).copy()
+        self.staleness_counts.update({int(k): v for k, v in header["staleness_counts"].items()})
+        self.resumed_from = self.applied
+        log.info("resumed from %s at update %d", path, self.applied)
+
     def _closed_reason(self) -> str:
         if self.error is not None:
             return f"the store stopped: {self.error}"
@@ -186,6 +293,7 @@ class ParameterStore:
             if not all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(payload)):
                 with self._lock:
                     self.rejected += 1
+                    self.done[worker] += 1
                     message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
                     if self.on_nonfinite == "stop":
                         self.error = BadPush(message + "; stopping (on_nonfinite='stop')")
@@ -197,11 +305,14 @@ class ParameterStore:
                 payload, ms = jax.device_put((payload, ms), self.device)
                 self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
                 self.applied += 1
+                self.done[worker] += 1
+                staleness = int(jax.device_get(staleness))
+                self.staleness_counts[staleness] += 1
                 record = {
                     "worker": int(worker),
                     "pulled_version": int(pulled_version),
                     "applied_version": self.applied,
-                    "staleness": int(jax.device_get(staleness)),  # as the server step saw it
+                    "staleness": staleness,  # as the server step saw it
                     "time": time.perf_counter() - self._t0,
                 }
                 if self._trace_file is not None:
@@ -210,7 +321,12 @@ class ParameterStore:
                 result = (self._state.params, self._state.model_state, self.applied)
                 if self.max_updates is not None and self.applied >= self.max_updates:
                     self._closed.set()
+                due = self.checkpoint_path is not None and self.checkpoint_every is not None
+                if due and self.applied % self.checkpoint_every == 0:
+                    _replace_latest(self._writes, self._snapshot())
             future.set_result(result)
+            if self._on_snapshot is not None and self.snapshot_every and result[2] % self.snapshot_every == 0:
+                self._on_snapshot(result[2], result[0], result[1])
         # Anything still queued after close is rejected, so pushes sent == applied + rejected.
         while True:
             try:
@@ -221,6 +337,35 @@ class ParameterStore:
                 with self._lock:
                     self.rejected += 1
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
+
+
+def _replace_latest(q: queue.Queue, item: Any) -> None:
+    """Puts ``item`` in a one-slot queue, dropping a pending older item (a newer checkpoint supersedes it)."""
+    while True:
+        try:
+            q.put_nowait(item)
+            return
+        except queue.Full:
+            with contextlib.suppress(queue.Empty):
+                q.get_nowait()
+
+
+def _open_trace(path: str, keep: int):
+    """Opens the trace for appending after its first ``keep`` lines (a resumed run drops what came after its
+    checkpoint); ``keep=0`` starts a fresh file."""
+    lines: list[str] = []
+    if keep and os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()[:keep]
+        if len(lines) < keep:
+            raise ValueError(
+                f"{path} holds {len(lines)} records but the checkpoint is at update {keep}: it is damaged."
+            )
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+    return open(path, "a")
 
 
 def _push_then_pull(rule, state: server.ServerState, worker, payload, model_state):

@@ -35,30 +35,41 @@ def no_implicit_transfers():
         jax.config.update("jax_transfer_guard", "allow")
 
 
-@pytest.mark.parametrize("rule_name", ["asgd", "dc_asgd_a"])
-def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, request):
-    make = {"asgd": lambda: asgd_jax.asgd(0.05), "dc_asgd_a": lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)}
+RULES = {"asgd": lambda: asgd_jax.asgd(0.05), "dc_asgd_a": lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)}
+
+
+@pytest.mark.parametrize(
+    ("rule_name", "n_sync", "push", "local_lr"),
+    [("asgd", 1, "gradients", None), ("dc_asgd_a", 1, "gradients", None), ("asgd", 3, "delta", 0.05),
+     ("dc_asgd_a", 2, "accumulate", None), ("asgd", 2, "gradients", 0.02)],
+)  # fmt: skip
+def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, push, local_lr, request):
+    """The signature property: the trace of a real multi-device run replays in the simulator to the same weights,
+    for every n_sync and push mode."""
     key = jax.random.key(5)
-    rule = make[rule_name]()
     request.getfixturevalue("no_implicit_transfers")
+    steps = 40 if n_sync == 1 else 16
+    sync = dict(n_sync=n_sync, push=push, local_learning_rate=local_lr)
     result = train(
-        lsq_loss, rule, W0, DATA, num_workers=4, steps=40, batch_size=4, key=key, devices=jax.devices()[:4],
-        out_dir=tmp_path,
+        lsq_loss, RULES[rule_name](), W0, DATA, num_workers=4, steps=steps, batch_size=4, key=key,
+        devices=jax.devices()[:4], out_dir=tmp_path, **sync,
     )  # fmt: skip
     jax.config.update("jax_transfer_guard", "allow")  # the replay below is ordinary host-side code
-    assert result.pushes_applied == 40
+    assert result.pushes_applied == steps
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
     assert not result.failures
     trace = asgd_jax.delays.Trace.load(result.trace_path, num=4)
-    assert len(trace) == 40
+    assert len(trace) == steps
     replay = asgd_jax.simulate(
-        lsq_loss, make[rule_name](), jnp.asarray(W0), DATA, delays=trace, batch_size=4, num_updates=40, key=key,
-        progress=False,
+        lsq_loss, RULES[rule_name](), jnp.asarray(W0), DATA, delays=trace, batch_size=4, num_updates=steps, key=key,
+        progress=False, **sync,
     )  # fmt: skip
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
     # The trace's staleness is what the server saw.
     records = [json.loads(line) for line in pathlib.Path(result.trace_path).read_text().splitlines()]
     np.testing.assert_array_equal(replay.metrics["staleness"], [r["staleness"] for r in records])
+    assert sum(result.staleness_counts.values()) == steps
+    assert sum(w.pushes for w in result.workers) == result.pushes_sent
 
 
 def test_store_rejects_bad_pushes_and_keeps_the_model():
@@ -79,6 +90,12 @@ def test_store_rejects_bad_pushes_and_keeps_the_model():
         assert (store.received, store.applied, store.rejected) == (5, 1, 4)
         with pytest.raises(ValueError, match="worker=2"):
             store.pull(2)
+        # DC-ASGD's backups are the pulled weights: worker 1 pulled (by pushing) the current ones, worker 0 still
+        # holds what it pulled at version 0.
+        for worker, expected, at in ((0, np.zeros(3), 0), (1, -0.1 * np.ones(3), 1)):
+            backup, _, backup_version = store.backup(worker)
+            np.testing.assert_array_equal(backup["w"], expected.astype(np.float32))
+            assert backup_version == at
     finally:
         store.close()
 
@@ -127,19 +144,49 @@ def test_bad_trainer_arguments_raise_before_anything_starts():
         train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=5, batch_size=64)
     with pytest.raises(ValueError, match="steps=0"):
         train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=0)
+    bad = {
+        "mode='ring'": dict(mode="ring"),
+        "devices_per_worker=16 but only 8": dict(devices_per_worker=16),
+        "batch_size=6 does not split over devices_per_worker=4": dict(devices_per_worker=4, batch_size=6),
+        "warm_start_steps=5 must be smaller than steps=5": dict(warm_start_steps=5),
+        "checkpoint_every=2 needs out_dir": dict(checkpoint_every=2),
+        "eval_every was given without eval_fn": dict(eval_every=2),
+        "slowdown=": dict(slowdown={2: 4.0}),
+    }
+    for message, kwargs in bad.items():
+        with pytest.raises(ValueError, match=message):
+            train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=5, **kwargs)
 
 
-def test_cli_train_writes_a_replayable_trace(tmp_path, capsys):
+def test_cli_train_config_file_resume_and_warm_start(tmp_path, capsys):
     from asgd_jax.cli import main
 
-    argv = ["train", "--dataset", "digits", "--model", "mlp", "--rule", "dc_asgd_a", "--workers", "3"]
-    argv += ["--steps", "30", "--batch-size", "8", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "pushes sent 30, applied 30, rejected 0" in out or "applied 30" in out
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    config = tmp_path / "run.toml"
+    config.write_text('dataset = "digits"\nmodel = "mlp"\nrule = "dc_asgd_a"\nworkers = 3\nbatch-size = 8\n'
+                      "steps = 100\neval_every = 10\nno_progress = true\n")  # fmt: skip
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--steps", "30", "--out", str(out)]) == 0  # the flag wins
+    assert "applied 30" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["pushes_applied"] == 30 and 0.0 <= summary["test_error"] <= 1.0
-    assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 30
+    assert summary["args"]["workers"] == 3 and summary["args"]["batch_size"] == 8  # from the file
+    assert [e["update"] for e in summary["evals"]] == [10, 20, 30]
+    assert len((out / "trace.jsonl").read_text().splitlines()) == 30
+    # --resume extends the same run to 40 updates; the trace continues where the checkpoint was.
+    assert main(["train", "--config", str(config), "--steps", "40", "--out", str(out), "--resume"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == 30 and summary["pushes_applied"] == 40
+    assert len((out / "trace.jsonl").read_text().splitlines()) == 40
+    # --warm-start starts from the saved model: its first evaluation is already as good as the run's last.
+    warm = tmp_path / "warm"
+    argv = ["train", "--config", str(config), "--steps", "1", "--eval-every", "1", "--workers", "1"]
+    assert main([*argv, "--warm-start", str(out), "--lr", "0", "--out", str(warm)]) == 0
+    assert json.loads((warm / "summary.json").read_text())["test_error"] == summary["test_error"]
+    # Bad input: a clear message and exit status 2, before anything runs.
+    config.write_text("wokers = 3\n")
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "x")]) == 2
+    assert "unknown option(s) wokers" in capsys.readouterr().err
+    assert main(["train", "--slowdown", "fast", "--out", str(tmp_path / "y")]) == 2
 
 
 def test_non_finite_pushes_are_rejected_and_training_goes_on():

@@ -1,0 +1,195 @@
+"""The trainer's life cycle: checkpoints, kill and resume, Ctrl-C, warm start, SSGD, device groups, evaluation."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import asgd_jax
+from asgd_jax import checkpoint
+from asgd_jax.trainer import train
+
+N, DIM = 96, 4
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(N, DIM)).astype(np.float32)
+DATA = {"x": X, "y": (X @ _rng.normal(size=DIM)).astype(np.float32)}
+W0 = np.zeros(DIM, np.float32)
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def lsq_loss(w, batch):
+    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+
+def rule():
+    return asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+
+
+def replay(trace_path, steps, params=W0, num=4, batch_size=4):
+    trace = asgd_jax.delays.Trace.load(trace_path, num=num)
+    assert len(trace) == steps
+    return asgd_jax.simulate(
+        lsq_loss, rule(), jnp.asarray(params), DATA, delays=trace, batch_size=batch_size, num_updates=steps,
+        key=jax.random.key(3), progress=False,
+    ).params  # fmt: skip
+
+
+def _python(script: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_path):
+    # A real SIGKILL in a child process, at a data fetch of worker 0 (its 7th minibatch) somewhere around update 20.
+    killed = _python(f"""
+        import os, signal, sys
+        sys.path.insert(0, "tests")
+        import jax, asgd_jax.loader
+        from test_trainer_lifecycle import DATA, W0, lsq_loss, rule
+        from asgd_jax.trainer import train
+        original = asgd_jax.loader.ShardLoader.batch
+        def batch(self, j):
+            if self.worker == 0 and j == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, j)
+        asgd_jax.loader.ShardLoader.batch = batch
+        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
+              out_dir={str(tmp_path)!r}, checkpoint_every=5)
+    """)
+    assert killed.returncode == -9, killed.stderr
+    trace_lines = len((tmp_path / "trace.jsonl").read_text().splitlines())
+    assert trace_lines < 40
+    with pytest.raises(ValueError, match="already holds a checkpoint"):  # never overwritten silently
+        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="batch_size: checkpoint 4 vs now 8"):  # a different run is refused
+        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=8, out_dir=tmp_path, resume=True)
+    result = train(
+        lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
+        devices=jax.devices()[:4], out_dir=tmp_path, checkpoint_every=5, resume=True,
+    )  # fmt: skip
+    assert 5 <= result.resumed_from <= trace_lines and result.resumed_from % 5 == 0
+    assert result.pushes_applied == 40 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
+    np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
+    assert _header(tmp_path)["applied"] == 40
+
+
+def _header(folder) -> dict:
+    with np.load(folder / "checkpoint.npz") as f:
+        return json.loads(bytes(f["__header__"]).decode())
+
+
+def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one(tmp_path):
+    path = tmp_path / "checkpoint.npz"
+    killed = _python(f"""
+        import os, signal
+        import numpy as np
+        from asgd_jax import checkpoint
+        checkpoint.save({str(path)!r}, {{"w": np.arange(4.0)}}, {{}}, {{"version": 1}})
+        def half_then_die(f, **arrays):
+            f.write(b"PK" * 1000)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        np.savez = half_then_die
+        checkpoint.save({str(path)!r}, {{"w": np.zeros(4)}}, {{}}, {{"version": 2}})
+    """)
+    assert killed.returncode == -9, killed.stderr
+    state, _, header = checkpoint.load(path, {"w": np.zeros(4)})
+    assert header == {"version": 1}
+    np.testing.assert_array_equal(state["w"], np.arange(4.0))
+
+
+def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch):
+    original = asgd_jax.loader.ShardLoader.batch
+
+    def batch(self, j):
+        if self.worker == 1 and j == 4:
+            _thread.interrupt_main()  # what Ctrl-C does
+        return original(self, j)
+
+    monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", batch)
+    with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
+        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
+              devices=jax.devices()[:4], out_dir=tmp_path)  # fmt: skip
+    stopped_at = _header(tmp_path)["applied"]
+    assert 0 < stopped_at < 40  # the final checkpoint holds every applied update (no checkpoint_every was set)
+    assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
+    monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", original)
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
+                   devices=jax.devices()[:4], out_dir=tmp_path, resume=True)  # fmt: skip
+    assert result.resumed_from == stopped_at and result.pushes_applied == 40
+    np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_mode_is_the_simulators_ssgd():
+    key = jax.random.key(3)
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=12, batch_size=4, key=key, mode="sync",
+                   devices=jax.devices()[:4])  # fmt: skip
+    assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
+    assert [w.pushes for w in result.workers] == [12] * 4
+    sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(4),
+                            mode="sync", batch_size=4, num_updates=12, key=key, progress=False)  # fmt: skip
+    np.testing.assert_allclose(sim.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_of_two_devices_averages_like_one_worker_with_the_doubled_batch(tmp_path):
+    # 2 workers x 2 devices, 4 examples per device: the replay with one device per worker and batch 8 agrees.
+    key = jax.random.key(3)
+    jax.config.update("jax_transfer_guard", "disallow")
+    try:
+        result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=20, batch_size=8, key=key,
+                       devices=jax.devices()[:4], devices_per_worker=2, out_dir=tmp_path)  # fmt: skip
+    finally:
+        jax.config.update("jax_transfer_guard", "allow")
+    np.testing.assert_allclose(replay(result.trace_path, 20, num=2, batch_size=8), result.params, rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+
+
+def test_warm_start_trains_one_worker_first_then_everyone_starts_from_its_weights(tmp_path):
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=30, warm_start_steps=10, batch_size=4,
+                   key=jax.random.key(3), devices=jax.devices()[:4], out_dir=tmp_path)  # fmt: skip
+    warm_trace = [json.loads(line) for line in (tmp_path / "warmup" / "trace.jsonl").read_text().splitlines()]
+    assert [r["worker"] for r in warm_trace] == [0] * 10
+    warm_params, _ = checkpoint.load_model(tmp_path / "warmup", W0)
+    assert np.abs(warm_params).sum() > 0
+    assert result.pushes_applied == 20  # the asynchronous phase: steps - warm_start_steps
+    np.testing.assert_allclose(replay(result.trace_path, 20, params=warm_params), result.params, rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    # --warm-start CHECKPOINT: a saved model loads into a fresh model's structure; another model is refused.
+    params, _ = checkpoint.load_model(tmp_path / "model.npz", W0)
+    np.testing.assert_array_equal(params, result.params)
+    with pytest.raises(ValueError, match="leaf 0 is float32"):
+        checkpoint.load_model(tmp_path, np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="No saved model"):
+        checkpoint.load_model(tmp_path / "nothing", W0)
+
+
+def test_evaluation_runs_beside_the_workers_and_metrics_stream_to_jsonl(tmp_path):
+    def eval_fn(w, model_state):
+        return {"loss": lsq_loss(w, DATA), "norm": jnp.linalg.norm(w)}
+
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
+                   devices=jax.devices()[:4], out_dir=tmp_path, eval_fn=eval_fn, eval_every=10,
+                   log_every=0.01)  # fmt: skip
+    assert [e["update"] for e in result.evals] == [10, 20, 30, 40]
+    np.testing.assert_allclose(result.evals[-1]["norm"], np.linalg.norm(result.params), rtol=1e-6)
+    assert result.evals[-1]["loss"] < result.evals[0]["loss"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert kinds >= {"eval", "final"}
+    final = records[-1]
+    assert final["kind"] == "final" and final["applied"] == 40
+    # Histograms of the records add up to every applied push, each exactly once.
+    total = sum(n for r in records if r["kind"] != "eval" for n in r["staleness_histogram"].values())
+    assert total == 40
+    assert [r["update"] for r in records if r["kind"] == "eval"] == [10, 20, 30, 40]
