@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -125,7 +126,9 @@ class ParameterStore:
         self._stateful = model_state is not None
         # The very same server step the simulator scans, jitted for the host.
         # A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
-        self._exchange = jax.jit(lambda s, w, g, ms: _push_then_pull(rule, s, w, g, ms))
+        # The state is donated: the server updates weights, rule state and the M backups in place instead of copying
+        # (M + 2) x params per push, which made the store as slow as a gradient (benchmarks/trainer_overhead.py).
+        self._exchange = jax.jit(lambda s, w, g, ms: _push_then_pull(rule, s, w, g, ms), donate_argnums=0)
         self._pull = jax.jit(server.pull)
         self._backup = jax.jit(
             lambda s, i: (*jax.tree.map(lambda x: x[i], (s.backup_params, s.backup_model_state)), s.backup_version[i])
@@ -157,7 +160,7 @@ class ParameterStore:
         self._check_worker(worker)
         with self._lock:
             self._state = self._pull(self._state, self._id(worker))
-            return self._state.params, self._state.model_state, self.applied
+            return (*_host_copy((self._state.params, self._state.model_state)), self.applied)
 
     def push(self, worker: int, payload: Any, pulled_version: int, model_state: Any = None) -> Future:
         """Queues a payload computed at the weights of ``pulled_version``.
@@ -216,9 +219,9 @@ class ParameterStore:
         return self.checkpoint_path
 
     def state(self) -> server.ServerState:
-        """A consistent snapshot of the whole server state."""
+        """A consistent snapshot of the whole server state (a host copy: the store updates its own in place)."""
         with self._lock:
-            return self._state
+            return _host_copy(self._state)
 
     @property
     def closed(self) -> bool:
@@ -243,7 +246,7 @@ class ParameterStore:
 
     def _snapshot(self) -> tuple:
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received}
-        return self._state, self.done.copy(), counts, dict(self.staleness_counts)
+        return _host_copy(self._state), self.done.copy(), counts, dict(self.staleness_counts)
 
     def _write(self, snapshot: tuple) -> None:
         state, done, counts, staleness = snapshot
@@ -290,20 +293,20 @@ class ParameterStore:
                     self.rejected += 1
                 future.set_exception(StoreClosed(self._closed_reason()))
                 continue
-            if not all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(payload)):
-                with self._lock:
+            ms = model_state if self._stateful else None
+            payload, ms = jax.device_put((payload, ms), self.device)
+            with self._lock:
+                # One fused program checks the payload and, only if it is finite, applies it (in place).
+                self._state, staleness, finite = self._exchange(self._state, self._id(worker), payload, ms)
+                if not bool(jax.device_get(finite)):
                     self.rejected += 1
                     self.done[worker] += 1
                     message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
                     if self.on_nonfinite == "stop":
                         self.error = BadPush(message + "; stopping (on_nonfinite='stop')")
                         self._closed.set()
-                future.set_exception(BadPush(message))
-                continue
-            with self._lock:
-                ms = model_state if self._stateful else None
-                payload, ms = jax.device_put((payload, ms), self.device)
-                self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
+                    future.set_exception(BadPush(message))
+                    continue
                 self.applied += 1
                 self.done[worker] += 1
                 staleness = int(jax.device_get(staleness))
@@ -318,7 +321,8 @@ class ParameterStore:
                 if self._trace_file is not None:
                     self._trace_file.write(json.dumps(record) + "\n")
                     self._trace_file.flush()
-                result = (self._state.params, self._state.model_state, self.applied)
+                # Host copies: the next exchange updates the state's buffers in place (donation).
+                result = (*_host_copy((self._state.params, self._state.model_state)), self.applied)
                 if self.max_updates is not None and self.applied >= self.max_updates:
                     self._closed.set()
                 due = self.checkpoint_path is not None and self.checkpoint_every is not None
@@ -337,6 +341,11 @@ class ParameterStore:
                 with self._lock:
                     self.rejected += 1
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
+
+
+def _host_copy(tree: Any) -> Any:
+    """A NumPy copy that owns its memory (never a view of a buffer the store will donate)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
 
 
 def _replace_latest(q: queue.Queue, item: Any) -> None:
@@ -369,6 +378,13 @@ def _open_trace(path: str, keep: int):
 
 
 def _push_then_pull(rule, state: server.ServerState, worker, payload, model_state):
-    """The store's exchange: apply the push, then record that worker's pull, atomically (the simulator's order)."""
-    state, staleness = server.push(rule, state, worker, payload, model_state)
-    return server.pull(state, worker), staleness
+    """The store's exchange: if the payload is finite, apply the push, then record that worker's pull, atomically (the
+    simulator's order); a non-finite payload leaves the state as it was. Returns ``(state, staleness, finite)``."""
+    leaves = jax.tree.leaves((payload, model_state))
+    finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]))
+
+    def apply(state):
+        state, staleness = server.push(rule, state, worker, payload, model_state)
+        return server.pull(state, worker), staleness
+
+    return (*jax.lax.cond(finite, apply, lambda s: (s, jnp.zeros((), jnp.int32)), state), finite)
