@@ -4,6 +4,8 @@ Subcommands:
   ablate         the staleness ablation (DC-ASGD Table 1 in miniature).
   data prepare   download and prepare a TFDS dataset once (the only command that downloads).
   train          real asynchronous training: worker threads on the devices JAX sees, a host-side parameter store.
+  run            a reproduction study from experiments/ (quick or full form).
+  report         a Markdown report of a results folder.
 """
 
 from __future__ import annotations
@@ -269,6 +271,68 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if not result.failures else 1
 
 
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a reproduction study from experiments/ (dcasgd_table1, gpu_asgd_nsync, ...)",
+        description=(
+            "Runs one study (experiments/<study>.py) in the deterministic simulator and writes results.json, "
+            "results.csv, table.md and plots into --out. --quick is minutes on 2 CPU cores on embedded data; "
+            "without it the full form is the paper's setup (for a GPU)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("study", help="a study name (see --list) or a path to a study .py file")
+    p.add_argument("--quick", action="store_true", help="the quick form")
+    p.add_argument("--out", default=None, help="output folder [results/<study>]")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_run_study)
+    r = sub.add_parser(
+        "report",
+        help="turn a results folder into a Markdown report",
+        description="Collects every results.json under DIR into DIR/report.md with the tables and plots embedded.",
+    )
+    r.add_argument("dir", help="a results folder (one study, or a folder of study folders)")
+    r.add_argument("--out", default=None, help="report path [DIR/report.md]")
+    r.set_defaults(func=_report)
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    from asgd_jax import studies
+
+    study = studies.load(args.study)
+    out = args.out or f"results/{study.name}"
+    settings = study.quick if args.quick else study.full
+    print(f"asgd-jax run {study.name} ({'quick' if args.quick else 'full'} form): {study.title}", flush=True)
+    print(f"{settings.dataset}/{settings.model}, {len(settings.seeds)} seed(s), {settings.epochs:g} epochs, "
+          f"{len(study.arms(settings, args.quick))} compiled programs -> {out}", flush=True)  # fmt: skip
+    result = studies.run(study, quick=args.quick, progress=not args.no_progress)
+    paths = studies.save(result, out)
+    print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")
+    print("Wrote " + ", ".join(paths.values()))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import datetime
+    import platform
+    import subprocess
+
+    import jax
+
+    from asgd_jax import studies
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    header = (f"Generated {datetime.date.today()} at commit {commit} on {platform.machine()} "
+              f"({jax.devices()[0].platform}, jax {jax.__version__}).")  # fmt: skip
+    print(f"Wrote {studies.report(args.dir, args.out, header=header)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asgd-jax",
@@ -278,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ablate(sub)
     _add_data(sub)
     _add_train(sub)
+    _add_run(sub)
     return parser
 
 

@@ -1,0 +1,45 @@
+"""GPU A-SGD's questions: clients in {1, 2, 4, 8, 16, 32} x n_sync in {1, 10, 100, 300, 900}, cold vs warm start.
+
+Clients run Downpour-style: n_sync local SGD steps from the fetched weights, then push the parameter delta, which the
+server adds (push="delta", server learning rate 1). The warm start is single-worker SGD for `warm_epochs` from the
+shared initial weights. Training error is smoothed over a sliding window of minibatches (the paper: 400) and plotted
+against effective epochs and against virtual wall-clock time (each exchange costs `comm_time` = 2 minibatches, which is
+what n_sync amortises).
+
+Command:   asgd-jax run gpu_asgd_nsync --quick --out results/gpu_asgd_nsync     (~3 minutes on 2 CPU cores)
+Full form: asgd-jax run gpu_asgd_nsync --out results/gpu_asgd_nsync_full        (the whole grid, 400-minibatch window)
+Expected:  with many clients a cold start learns slowly early on and a warm start does not; frequent exchanges (small
+           n_sync) reach lower error per epoch, large n_sync is cheaper per epoch in time but noisier.
+"""
+
+from asgd_jax.studies import Arm, Settings, Study, Variant
+
+COMM_TIME = 2.0
+
+
+def arms(s: Settings, quick: bool) -> list[Arm]:
+    clients = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
+    n_syncs = (1, 10, 100) if quick else (1, 10, 100, 300, 900)
+    out = []
+    for start in ("cold", "warm"):
+        for m in clients:
+            for n_sync in n_syncs:
+                out.append(Arm(
+                    {"clients": m, "n_sync": n_sync, "start": start}, workers=m, n_sync=n_sync, push="delta",
+                    server_lr=1.0, warm=start == "warm", worker_kwargs={"comm_time": COMM_TIME},
+                    variants=(Variant("A-SGD"),), series=f"{start}, n_sync={n_sync}",
+                ))  # fmt: skip
+    return out
+
+
+STUDY = Study(
+    name="gpu_asgd_nsync",
+    title="GPU A-SGD: final test error vs clients, by n_sync and start",
+    reproduces=__doc__,
+    quick=Settings(seeds=(0,), epochs=10.0, learning_rate=0.1, schedule="constant", window=100, warm_epochs=2.0),
+    full=Settings(seeds=(0, 1, 2), epochs=40.0, learning_rate=0.1, schedule="constant", window=400, warm_epochs=4.0),
+    arms=arms,
+    rows="clients",
+    columns="label",
+    curves_x=("epoch", "time"),
+)
