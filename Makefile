@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/asgd-jax ablate --quick --out results/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=15
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=15 --nbmake tests notebooks
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -34,3 +34,18 @@ def test_public_names_are_documented():
     for name in asgd_jax.__all__:
         obj = getattr(asgd_jax, name)
         assert obj.__doc__ and obj.__doc__.strip(), f"asgd_jax.{name} has no docstring"
+
+
+def test_notebooks_carry_no_outputs_and_only_import_the_library():
+    import json
+    import pathlib
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+    names = sorted(p.name for p in folder.glob("*.ipynb"))
+    assert names == ["01_update_rules.ipynb", "02_staleness_simulator.ipynb", "03_trainer_and_replay.ipynb"]
+    for name in names:
+        cells = json.loads((folder / name).read_text())["cells"]
+        code = [c for c in cells if c["cell_type"] == "code"]
+        assert all(not c["outputs"] and c["execution_count"] is None for c in code), f"{name} has stored outputs"
+        source = "".join("".join(c["source"]) for c in code)
+        assert "def " not in source.replace("def loss(", "").replace("def trajectory(", ""), name  # no own logic
