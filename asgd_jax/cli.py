@@ -177,6 +177,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--on-nonfinite", default="reject", choices=["reject", "stop"], help="NaN/Inf pushes")
     p.add_argument("--slowdown", nargs="+", default=None, metavar="W:F", help="straggler study: worker W F x slower")
     p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the run is stopped")
+    p.add_argument("--backend", default="threads", choices=["threads", "ray"], help="ray: actors on a Ray cluster")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join ('auto': the local `ray start`)")
+    p.add_argument(
+        "--max-restarts", type=int, default=0, help="Ray: restarts of a dead worker actor before dropping it"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="runs/train")
     p.set_defaults(func=_train, parser=p)
@@ -241,9 +246,10 @@ def _train(args: argparse.Namespace) -> int:
             devices_per_worker=args.devices_per_worker, out_dir=args.out,
             checkpoint_every=args.checkpoint_every or every, resume=args.resume,
             warm_start_steps=args.warm_start_steps, eval_fn=models.classification_eval(model, ds.test),
-            eval_every=args.eval_every or every, progress=not args.no_progress,
+            eval_every=None if args.backend == "ray" else args.eval_every or every, progress=not args.no_progress,
             on_worker_failure=args.on_worker_failure, on_nonfinite=args.on_nonfinite,
-            slowdown=slowdown, timeout=args.timeout,
+            slowdown=slowdown, timeout=args.timeout, backend=args.backend, ray_address=args.ray_address,
+            max_restarts=args.max_restarts,
         )  # fmt: skip
     except KeyboardInterrupt as e:
         print(f"asgd-jax: {e} (checkpoint in {args.out}; add --resume to continue)", file=sys.stderr)

@@ -142,6 +142,9 @@ def train(
     on_nonfinite: str = "reject",
     slowdown: Mapping[int, float] | None = None,
     timeout: float = 600.0,
+    backend: str = "threads",
+    ray_address: str | None = None,
+    max_restarts: int = 0,
 ) -> TrainResult:
     """Trains with ``num_workers`` asynchronous worker threads against a host-side parameter store.
 
@@ -172,6 +175,12 @@ def train(
       slowdown: ``{worker: factor}`` makes those workers ``factor`` times slower (they sleep after computing), to
         study stragglers.
       timeout: seconds after which the run is stopped regardless (no deadlock, ever).
+      backend: ``"threads"`` (default: this machine's devices) or ``"ray"`` (a store actor and worker actors on a Ray
+        cluster, :mod:`asgd_jax.ray_backend`; no ``mode="sync"``, ``eval_every`` or ``slowdown`` there, and
+        ``eval_fn`` runs once at the end).
+      ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made here); default: a local instance.
+      max_restarts: Ray backend: how often Ray restarts a dead worker actor (it resumes from the store) before it is
+        dropped.
 
     Raises:
       ValueError: for a bad argument, before anything compiles or starts.
@@ -193,12 +202,24 @@ def train(
         raise ValueError(f"checkpoint_every={checkpoint_every} needs out_dir= (where the checkpoints go).")
     if not log_every > 0:
         raise ValueError(f"log_every={log_every!r} is invalid: use seconds > 0.")
+    if backend not in ("threads", "ray"):
+        raise ValueError(f"backend={backend!r} is invalid: use 'threads' or 'ray'.")
+    if backend == "ray":
+        unsupported = [name for name, used in (("mode='sync'", mode == "sync"), ("eval_every", eval_every is not None),
+                                               ("slowdown", bool(slowdown))) if used]  # fmt: skip
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} is not available with backend='ray': use backend='threads'.")
+        if not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts!r} is invalid: use an int >= 0.")
+        from asgd_jax.ray_backend import require_ray
+
+        require_ray()  # fails at once, with the install command
     slowdown = dict(slowdown or {})
     for w, factor in slowdown.items():
         if not (isinstance(w, int) and 0 <= w < num_workers) or not factor >= 1:
             raise ValueError(f"slowdown={slowdown!r} is invalid: use {{worker in [0, {num_workers}): factor >= 1}}.")
     devices = list(devices or jax.devices())
-    groups = _device_groups(devices, devices_per_worker)
+    groups = _device_groups(devices, devices_per_worker) if backend == "threads" else []  # Ray: the actors' devices
     if batch_size % devices_per_worker:
         raise ValueError(
             f"batch_size={batch_size} does not split over devices_per_worker={devices_per_worker}: use a multiple."
@@ -225,6 +246,16 @@ def train(
             out_dir=None if out_dir is None else os.path.join(os.fspath(out_dir), "warmup"), **common,
         )  # fmt: skip
         params, model_state = warm.params, (warm.model_state if model_state is not None else None)
+    if backend == "ray":
+        from asgd_jax.ray_backend import train_ray
+
+        return train_ray(
+            loss_fn, rule, params, data, num_workers=num_workers, steps=steps - warm_start_steps, batch_size=batch_size,
+            key=key, model_state=model_state, n_sync=n_sync, push=push, local_learning_rate=local_learning_rate,
+            devices_per_worker=devices_per_worker, out_dir=out_dir, checkpoint_every=checkpoint_every, resume=resume,
+            eval_fn=eval_fn, on_worker_failure=on_worker_failure, on_nonfinite=on_nonfinite, max_restarts=max_restarts,
+            ray_address=ray_address, timeout=timeout, num_examples=num_examples, shard_size=shard_size,
+        )  # fmt: skip
     run = _Run(
         loss_fn, rule, params, data, num_workers=num_workers, steps=steps - warm_start_steps, mode=mode,
         model_state=model_state, cfg=simulator._Config(
@@ -233,6 +264,21 @@ def train(
         on_worker_failure=on_worker_failure, slowdown=slowdown, **common,
     )  # fmt: skip
     return run.go()
+
+
+def make_work(loss_fn, cfg, mode: str, num_workers: int, local_learning_rate: float | None) -> Callable:
+    """A worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) -> (payload,
+    model_state, loss, aux)``; the simulator's own ``_work``, with the simulator's per-update model key."""
+    grad_fn = jax.value_and_grad(simulator._as_stateful(loss_fn, cfg.stateful), has_aux=True)
+    local_lr = np.float32(0.0 if local_learning_rate is None else local_learning_rate)  # a compile-time constant
+
+    def work(p, ms, b, k, v, w):  # the update's model key is made on the device from explicit inputs
+        k = jax.random.fold_in(k, v)
+        if mode == "sync":  # the simulator's SSGD: one key per worker, split from the update's key
+            k = jax.random.split(k, num_workers)[w]
+        return simulator._work(grad_fn, cfg, p, ms, b, k, local_lr)
+
+    return jax.jit(work)
 
 
 def _device_groups(devices: list[jax.Device], per_worker: int) -> list[list[jax.Device]]:
@@ -262,16 +308,7 @@ class _Run:
         for group in groups:
             mesh = Mesh(np.array(group), ("batch",))
             self.shardings.append((NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "batch"))))
-        grad_fn = jax.value_and_grad(simulator._as_stateful(loss_fn, self.stateful), has_aux=True)
-        local_lr = np.float32(0.0 if local_learning_rate is None else local_learning_rate)  # compile-time constant
-
-        def work(p, ms, b, k, v, w):  # the update's model key is made on the device from explicit inputs
-            k = jax.random.fold_in(k, v)
-            if mode == "sync":  # the simulator's SSGD: one key per worker, split from the update's key
-                k = jax.random.split(k, num_workers)[w]
-            return simulator._work(grad_fn, cfg, p, ms, b, k, local_lr)
-
-        self.work = jax.jit(work)
+        self.work = make_work(loss_fn, cfg, mode, num_workers, local_learning_rate)
         self.model_key = simulator._split_key(key)[2]
         self.metrics_file = None
         self.metrics_lock = threading.Lock()

@@ -1,0 +1,290 @@
+"""The trainer on Ray: the parameter store as an actor, each worker an actor, exchanging through Ray's object store.
+
+Same semantics as the threaded trainer (:mod:`asgd_jax.trainer`): the store actor wraps the very same
+:class:`~asgd_jax.store.ParameterStore` (the simulator's server step, the trace, checkpoints), and a worker actor runs
+the same jitted exchange-period function on the same minibatch order, so the recorded ``trace.jsonl`` replays in the
+simulator. What Ray adds is processes and machines:
+
+* Worker actors ask for ``num_gpus=devices_per_worker`` when the cluster has GPUs (Ray sets
+  ``CUDA_VISIBLE_DEVICES``), one CPU otherwise. The store actor is pinned to the driver's node, so ``out_dir`` (trace,
+  checkpoints) is on the driver's file system.
+* A worker (re)starts from what the store knows about it: its backup (the weights it last pulled) and its data
+  position (pushes the store applied or rejected for it). So a worker actor that dies, whether killed or crashed, is
+  reported and, with ``max_restarts``, restarted by Ray and picks up exactly there; otherwise it is dropped and the
+  run goes on (``on_worker_failure="continue"``) or stops (``"stop"``).
+* With ``out_dir`` the store actor checkpoints every ``checkpoint_every`` updates and Ray restarts it if it dies: it
+  resumes from its last checkpoint (the trace is cut back to it) and the workers re-sync from it.
+
+Example (a local Ray instance; ``ray start --head`` and ``ray_address="auto"`` for a cluster)::
+
+    result = asgd_jax.trainer.train(loss, rule, params, data, num_workers=4, steps=1000, backend="ray")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from asgd_jax import simulator
+from asgd_jax.loader import ShardLoader
+from asgd_jax.store import BadPush, ParameterStore, StoreClosed
+
+__all__ = ["require_ray", "train_ray"]
+
+log = logging.getLogger("asgd_jax.ray")
+
+INSTALL = "pip install 'asgd_jax[ray]'  (or: pip install ray)"
+
+
+def require_ray():
+    """Imports Ray, or fails at once with the install command."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(f"backend='ray' needs Ray, which is not installed: {INSTALL}") from None
+    return ray
+
+
+class StoreActor:
+    """A :class:`ParameterStore` in an actor (threaded: pushes queue in the store while earlier ones are applied)."""
+
+    def __init__(self, rule, params, num_workers: int, kwargs: dict[str, Any]):
+        self.store = ParameterStore(rule, params, num_workers, **kwargs)
+
+    def sync(self, worker: int):
+        """``worker``'s backup (weights it last pulled), model state, version and data position (in pushes)."""
+        params, model_state, version = self.store.backup(worker)
+        host = jax.device_get((params, model_state))
+        return (*host, version, int(self.store.done[worker]))
+
+    def push(self, worker: int, payload, version: int, model_state):
+        """Applies a push; returns ``("ok", (params, model_state, version))``, ``("rejected", why)`` or
+        ``("closed", why)``."""
+        try:
+            return "ok", self.store.push(worker, payload, version, model_state).result()
+        except StoreClosed as e:
+            return "closed", str(e)
+        except BadPush as e:
+            return "rejected", str(e)
+
+    def status(self) -> dict[str, Any]:
+        s = self.store
+        return {"applied": s.applied, "rejected": s.rejected, "received": s.received, "closed": s.closed,
+                "error": None if s.error is None else str(s.error), "resumed_from": s.resumed_from}  # fmt: skip
+
+    def close(self):
+        """Closes the store (final checkpoint); returns the status, the final weights and the staleness counts."""
+        self.store.close()
+        final = self.store.state()
+        return self.status(), final.params, final.model_state, dict(self.store.staleness_counts)
+
+
+class WorkerActor:
+    """One asynchronous worker: its shard's minibatches, the jitted exchange-period function, a loop of pushes."""
+
+    def __init__(self, worker, store, loss_fn, data, config: dict[str, Any]):
+        from asgd_jax import trainer
+
+        self.w, self.store, self.data, self.c = worker, store, data, config
+        self.stateful = config["stateful"]
+        self.work = trainer.make_work(loss_fn, config["cfg"], "async", config["num_workers"], config["local_lr"])
+        devices = jax.devices()[: config["devices_per_worker"]]
+        if len(devices) < config["devices_per_worker"]:
+            raise ValueError(
+                f"worker {worker} sees {len(jax.devices())} device(s), needs {config['devices_per_worker']}."
+            )
+        mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+        P = jax.sharding.PartitionSpec
+        self.replicated = jax.sharding.NamedSharding(mesh, P())
+        self.batch_sharded = jax.sharding.NamedSharding(mesh, P(None, "batch"))
+        self.model_key = simulator._split_key(config["key"])[2]
+
+    def _sync(self, ray, patience: float = 120.0):
+        """What the store knows about this worker, and a loader at its data position (waits out a store restart)."""
+        deadline = time.perf_counter() + patience
+        while True:
+            try:
+                params, model_state, version, position = ray.get(self.store.sync.remote(self.w))
+                break
+            except _actor_errors(ray):
+                if time.perf_counter() > deadline:
+                    raise
+                time.sleep(0.5)
+        c = self.c
+        loader = ShardLoader(self.data, worker=self.w, num_workers=c["num_workers"], batch_size=c["batch_size"],
+                             key=c["key"], start_batch=position * c["n_sync"])  # fmt: skip
+        return params, model_state, version, loader
+
+    def run(self) -> dict[str, Any]:
+        """Pushes until the store closes; returns this worker's counts and timings."""
+        ray = require_ray()
+        c = self.c
+        params, model_state, version, loader = self._sync(ray)
+        stats = {"pushes": 0, "compute": 0.0, "exchange": 0.0, "losses": []}
+        try:
+            while True:
+                batches = [next(loader) for _ in range(c["n_sync"])]
+                batches = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+                t0 = time.perf_counter()
+                p, ms, k, v, i = jax.device_put(
+                    (params, model_state, self.model_key, np.int32(version), np.int32(self.w)), self.replicated
+                )
+                out = self.work(p, ms, jax.device_put(batches, self.batch_sharded), k, v, i)
+                payload, new_ms, loss = jax.device_get(out[:3])
+                t1 = time.perf_counter()
+                try:
+                    status, result = ray.get(
+                        self.store.push.remote(self.w, payload, version, new_ms if self.stateful else None)
+                    )
+                except _actor_errors(ray):  # the store died: Ray restarts it from its last checkpoint; re-sync
+                    log.warning("worker %d: the store restarted; re-syncing", self.w)
+                    loader.close()
+                    params, model_state, version, loader = self._sync(ray)
+                    continue
+                stats["exchange"] += time.perf_counter() - t1
+                stats["compute"] += t1 - t0
+                stats["pushes"] += 1
+                stats["losses"].append(float(loss))
+                if status == "closed":
+                    break
+                if status == "rejected":  # non-finite: re-sync from the store and go on
+                    log.warning("worker %d: %s", self.w, result)
+                    loader.close()
+                    params, model_state, version, loader = self._sync(ray)
+                else:
+                    params, model_state, version = result
+        finally:
+            loader.close()
+        return stats
+
+
+def _actor_errors(ray) -> tuple[type[BaseException], ...]:
+    errors = [ray.exceptions.RayActorError]
+    if hasattr(ray.exceptions, "ActorUnavailableError"):
+        errors.append(ray.exceptions.ActorUnavailableError)
+    return tuple(errors)
+
+
+def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, key, model_state, n_sync, push,
+              local_learning_rate, devices_per_worker, out_dir, checkpoint_every, resume, eval_fn, on_worker_failure,
+              on_nonfinite, max_restarts, ray_address, timeout, num_examples, shard_size):  # fmt: skip
+    """The Ray backend of :func:`asgd_jax.trainer.train` (arguments already validated there)."""
+    from asgd_jax import trainer
+
+    ray = require_ray()
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    stateful = model_state is not None
+    out = None if out_dir is None else os.path.abspath(os.fspath(out_dir))
+    if out is not None and os.path.exists(os.path.join(out, "checkpoint.npz")) and not resume:
+        raise ValueError(f"{out} already holds a checkpoint: pass resume=True (--resume) to continue that run, or "
+                         "choose another output folder.")  # fmt: skip
+    header = {"mode": "async", "n_sync": n_sync, "batch_size": batch_size, "push": push,
+              "key": simulator._key_fingerprint(key)}  # fmt: skip
+    here = ray.get_runtime_context().get_node_id()
+    pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+    run_id = os.urandom(4).hex()
+    store = (
+        ray.remote(StoreActor)
+        .options(
+            name=f"asgd-jax/{run_id}/store",
+            num_cpus=0,
+            max_concurrency=num_workers + 8,
+            max_restarts=-1 if out else 0,
+            max_task_retries=0,
+            scheduling_strategy=pin,
+        )
+        .remote(
+            rule,
+            jax.device_get(params),
+            num_workers,
+            {
+                "model_state": jax.device_get(model_state),
+                "max_updates": steps,
+                "out_dir": out,
+                "on_nonfinite": on_nonfinite,
+                "checkpoint_dir": out,
+                "checkpoint_every": checkpoint_every,
+                "resume": out is not None,
+                "header": header,
+            },
+        )
+    )
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    resources = {"num_gpus": devices_per_worker} if gpus else {"num_cpus": 1}
+    config = {"cfg": simulator._Config("async", n_sync, push, batch_size, num_examples, shard_size, stateful, 1),
+              "num_workers": num_workers, "local_lr": local_learning_rate, "devices_per_worker": devices_per_worker,
+              "key": key, "batch_size": batch_size, "n_sync": n_sync, "stateful": stateful}  # fmt: skip
+    data_ref = ray.put(data)
+    Worker = ray.remote(WorkerActor)
+    workers = {
+        w: Worker.options(name=f"asgd-jax/{run_id}/worker-{w}", max_restarts=max_restarts, max_task_retries=0,
+                          **resources).remote(w, store, loss_fn, data_ref, config)
+        for w in range(num_workers)
+    }  # fmt: skip
+    start = time.perf_counter()
+    running = {workers[w].run.remote(): w for w in workers}
+    restarts = dict.fromkeys(workers, 0)
+    failures: dict[int, str] = {}
+    stats: dict[int, dict[str, Any]] = {}
+    deadline = start + timeout
+    while running and time.perf_counter() < deadline:
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+        for ref in ready:
+            w = running.pop(ref)
+            try:
+                stats[w] = _merge(stats.get(w), ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                failures[w] = repr(e)[:500]
+                log.error("worker %d failed: %s", w, failures[w])
+                if on_worker_failure == "stop":
+                    ray.get(store.close.remote())
+                elif restarts[w] < max_restarts:  # Ray restarts the actor; it re-syncs from the store
+                    restarts[w] += 1
+                    log.warning("worker %d restarted (%d of %d)", w, restarts[w], max_restarts)
+                    running[workers[w].run.remote()] = w
+    seconds = time.perf_counter() - start
+    status, final_params, final_ms, staleness = ray.get(store.close.remote())
+    for w in workers.values():
+        ray.kill(w)
+    ray.kill(store)
+    if status["error"] is not None:
+        raise RuntimeError(f"training stopped: {status['error']}")
+    evals = []
+    if eval_fn is not None:
+        evals = [{"update": status["applied"], **{k: float(v) for k, v in jax.device_get(
+            jax.jit(eval_fn)(final_params, final_ms)).items()}}]  # fmt: skip
+    if out is not None:
+        from asgd_jax import checkpoint
+
+        checkpoint.save_model(os.path.join(out, trainer.MODEL), final_params, final_ms)
+    return trainer.TrainResult(
+        params=final_params,
+        model_state=final_ms,
+        pushes_sent=status["received"],
+        pushes_applied=status["applied"],
+        pushes_rejected=status["rejected"],
+        failures=failures,
+        trace_path=None if out is None else os.path.join(out, "trace.jsonl"),
+        checkpoint_path=None if out is None else os.path.join(out, "checkpoint.npz"),
+        metrics_path=None,
+        seconds=seconds,
+        losses={w: s["losses"] for w, s in stats.items()},
+        workers=[trainer.WorkerStats(pushes=s["pushes"], compute=s["compute"], exchange=s["exchange"],
+                                     total=s["compute"] + s["exchange"]) for s in
+                 (stats.get(w, {"pushes": 0, "compute": 0.0, "exchange": 0.0}) for w in range(num_workers))],
+        evals=evals,
+        resumed_from=status["resumed_from"],
+        staleness_counts=dict(sorted(staleness.items())),
+    )  # fmt: skip
+
+
+def _merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    if old is None:
+        return new
+    return {k: old[k] + new[k] for k in new}

@@ -1,0 +1,121 @@
+"""The Ray backend on a local Ray instance (loopback only): same trace, same counts, workers and the store can die."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import asgd_jax
+from asgd_jax.trainer import train
+
+ray = pytest.importorskip("ray")
+
+N, DIM = 96, 4
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(N, DIM)).astype(np.float32)
+DATA = {"x": X, "y": (X @ _rng.normal(size=DIM)).astype(np.float32)}
+W0 = np.zeros(DIM, np.float32)
+
+
+def lsq_loss(w, batch):
+    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+
+def rule():
+    return asgd_jax.dc_asgd(0.02, 2.0, adaptive=True)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    yield ray
+    ray.shutdown()
+
+
+def replay(trace_path, steps, num=2):
+    trace = asgd_jax.delays.Trace.load(trace_path, num=num)
+    assert len(trace) == steps
+    return asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=trace, batch_size=4, num_updates=steps,
+                             key=jax.random.key(3), progress=False).params  # fmt: skip
+
+
+def _train_in_thread(**kwargs):
+    box = {}
+
+    def target():
+        try:
+            box["result"] = train(lsq_loss, rule(), W0, DATA, num_workers=2, batch_size=4, key=jax.random.key(3),
+                                  backend="ray", timeout=240, **kwargs)  # fmt: skip
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, box
+
+
+def _kill_when(trace: pathlib.Path, lines: int, role: str) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if trace.exists() and len(trace.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.05)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(role)]
+    assert names, f"no actor {role}"
+    ray.kill(ray.get_actor(names[-1]), no_restart=False)
+
+
+def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=40, batch_size=4, key=jax.random.key(3),
+                   backend="ray", out_dir=tmp_path, eval_fn=lambda w, _: {"loss": lsq_loss(w, DATA)})  # fmt: skip
+    assert result.pushes_applied == 40 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
+    assert not result.failures and sum(w.pushes for w in result.workers) == result.pushes_sent
+    assert result.evals[-1]["update"] == 40
+    np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_path):
+    thread, box = _train_in_thread(steps=600, out_dir=tmp_path, max_restarts=1)
+    _kill_when(tmp_path / "trace.jsonl", 20, "worker-1")
+    thread.join(timeout=300)
+    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    assert list(result.failures) == [1]  # reported
+    assert result.pushes_applied == 600 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
+    np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
+def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
+    thread, box = _train_in_thread(steps=600, out_dir=tmp_path, checkpoint_every=10)
+    _kill_when(tmp_path / "trace.jsonl", 100, "store")
+    thread.join(timeout=300)
+    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    assert result.resumed_from > 0 and result.resumed_from % 10 == 0
+    assert result.pushes_applied == 600 and not result.failures
+    np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
+def test_without_ray_the_backend_fails_at_once_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'asgd_jax\[ray\]'"):
+        train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=5, backend="ray")
+    with pytest.raises(ValueError, match="mode='sync' is not available with backend='ray'"):
+        train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=5, backend="ray", mode="sync")
+
+
+def test_cli_train_on_ray(local_ray, tmp_path, capsys):
+    from asgd_jax.cli import main
+
+    argv = ["train", "--backend", "ray", "--dataset", "digits", "--model", "mlp", "--workers", "2", "--steps", "20",
+            "--batch-size", "8", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "applied 20" in capsys.readouterr().out
+    assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 20
+    assert (tmp_path / "model.npz").exists() and (tmp_path / "summary.json").exists()
