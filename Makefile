@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint format clean
+.PHONY: demo test studies lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=15 --nbmake tests notebooks
+
+STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync speedup_model heterogeneous_workers
+
+studies: $(STAMP)
+	for s in $(STUDIES); do $(BIN)/asgd-jax run $$s --quick --out results/studies/$$s || exit 1; done
+	$(BIN)/asgd-jax report results/studies
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

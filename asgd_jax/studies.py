@@ -118,7 +118,7 @@ class Settings:
     """What every run of a study shares (a study has a quick and a full form of these).
 
     Attributes:
-      dataset, data_dir, model: data and model by name.
+      dataset, data_dir, model: data and model by name; model_options go to :func:`asgd_jax.models.get`.
       seeds: one run per seed and variant.
       epochs: effective passes over the training data per run (warm runs: after the warm-up).
       batch_size: minibatch per worker.
@@ -136,6 +136,7 @@ class Settings:
     dataset: str = "mnist1d"
     data_dir: str | None = None
     model: str = "mlp"
+    model_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seeds: tuple[int, ...] = (0, 1, 2)
     epochs: float = 15.0
     batch_size: int = 32
@@ -274,7 +275,7 @@ def run(study: Study, *, quick: bool = False, progress: bool = True, settings: S
     if not arms:
         raise ValueError(f"study {study.name!r} has no arms for these settings.")
     ds = data_lib.load(s.dataset, data_dir=s.data_dir)
-    model = models_lib.get(s.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
+    model = models_lib.get(s.model, num_classes=ds.num_classes, input_shape=ds.input_shape, **s.model_options)
     params0, model_state0 = model.init(jax.random.key(s.init_seed))
     loss_fn = models_lib.classification_loss(model)
     eval_fn = models_lib.classification_eval(model, ds.test)
@@ -318,7 +319,11 @@ def run(study: Study, *, quick: bool = False, progress: bool = True, settings: S
             rows = np.flatnonzero(index == i)
             label = arm.label(variant)
             coords = {**arm.coords, **variant.coords, "label": label}
-            series = " | ".join(f"{k}={v}" for k, v in coords.items() if k != "label")
+            series = " | ".join(
+                f"{k}={v}"
+                for k, v in coords.items()
+                if k != "label" and f"{k}={v}" not in label and str(v) not in label.split(", ")
+            )  # what the label does not say already
             key = f"{label} ({series})" if series else label
             curves[key] = {
                 "coords": coords,
@@ -356,7 +361,7 @@ def _cell_values(study: Study, runs: list[dict[str, Any]]) -> dict[tuple[Any, An
     for r in runs:
         value = 100 * r["test_error"] if study.metric == "test_error" else r["time_to_target"]
         groups.setdefault((r.get(study.rows), r.get(study.columns)), []).append(value)
-    cells = {k: (float(np.mean(v)), float(np.std(v))) for k, v in groups.items()}
+    cells = {k: tuple(float(x) for x in metrics_lib.mean_std(np.asarray(v))) for k, v in groups.items()}
     if study.metric == "speedup":
         base_runs = [r for r in runs if all(r.get(k) == v for k, v in (study.baseline or {}).items())]
         base = float(np.mean([r["time_to_target"] for r in base_runs])) if base_runs else math.nan
@@ -371,8 +376,11 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     cols = list(dict.fromkeys(c for _, c in cells))
     what = {"test_error": "final test error (%)", "time_to_target": "virtual time to the target training error",
             "speedup": "speed-up in time to the target training error"}[study.metric]  # fmt: skip
+    if study.metric == "speedup":
+        what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
     head = f"| {study.rows} | " + " | ".join(map(str, cols)) + " |"
-    lines = [f"{what}, mean ± std over {num_seeds} seed(s)", "", head]
+    over = "ratio of mean times" if study.metric == "speedup" else "mean ± std"
+    lines = [f"{what}, {over} over {num_seeds} seed(s)", "", head]
     lines.append("|---" * (len(cols) + 1) + "|")
     for row in rows:
         out = []
@@ -385,6 +393,8 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
             else:
                 out.append(f"{mean:.2f} ± {std:.2f}")
         lines.append(f"| {row} | " + " | ".join(out) + " |")
+    if study.metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
+        lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
     if study.paper:
         pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
         lines += ["", f"Paper{': ' + study.paper_note if study.paper_note else ''}", "",
@@ -426,6 +436,8 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     plt.close(fig)
     for x in study.curves_x:
         fig, ax = plt.subplots(figsize=(6.5, 4))
+        n = len(result.curves)
+        ax.set_prop_cycle(color=plt.cm.tab20(np.linspace(0, 1, max(n, 2))) if n > 10 else plt.cm.tab10(range(n)))
         for name, c in result.curves.items():
             ax.plot(c[x], 100 * np.asarray(c["train_error"]), label=name, lw=1)
         ax.set_xlabel({"epoch": "effective epochs", "time": "virtual wall-clock time"}[x])

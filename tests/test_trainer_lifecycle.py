@@ -51,7 +51,8 @@ def _python(script: str) -> subprocess.CompletedProcess:
 
 
 def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_path):
-    # A real SIGKILL in a child process, at a data fetch of worker 0 (its 7th minibatch) somewhere around update 20.
+    # A real SIGKILL in a child process, at a data fetch of worker 0 (its 7th minibatch or later, somewhere after
+    # update 20) once a periodic checkpoint is on disk.
     killed = _python(f"""
         import os, signal, sys
         sys.path.insert(0, "tests")
@@ -60,7 +61,7 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
         from asgd_jax.trainer import train
         original = asgd_jax.loader.ShardLoader.batch
         def batch(self, j):
-            if self.worker == 0 and j == 6:
+            if self.worker == 0 and j >= 6 and os.path.exists({str(tmp_path / "checkpoint.npz")!r}):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, j)
         asgd_jax.loader.ShardLoader.batch = batch
