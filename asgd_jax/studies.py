@@ -166,7 +166,7 @@ class Study:
       metric: ``"test_error"`` (%), ``"time_to_target"`` (virtual time) or ``"speedup"`` (the baseline's
         time-to-target over the run's).
       baseline: the coordinates of the speed-up baseline.
-      curves_x: x axes of the training-curve plots (``"epoch"``, ``"time"``).
+      curves_x: x axes of the training-curve plots (``"epoch"``, ``"update"``, ``"time"``).
       paper: the paper's numbers, ``{row: {column: value}}``, printed beside ours.
     """
 
@@ -327,6 +327,7 @@ def run(study: Study, *, quick: bool = False, progress: bool = True, settings: S
             key = f"{label} ({series})" if series else label
             curves[key] = {
                 "coords": coords,
+                "update": list(range(1, num_updates + 1)),
                 "epoch": (offset + mx["epoch"][rows[0]]).tolist(),
                 "time": mx["time"][rows].mean(axis=0).tolist(),
                 "train_error": smoothed[rows].mean(axis=0).tolist(),
@@ -440,7 +441,7 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
         ax.set_prop_cycle(color=plt.cm.tab20(np.linspace(0, 1, max(n, 2))) if n > 10 else plt.cm.tab10(range(n)))
         for name, c in result.curves.items():
             ax.plot(c[x], 100 * np.asarray(c["train_error"]), label=name, lw=1)
-        ax.set_xlabel({"epoch": "effective epochs", "time": "virtual wall-clock time"}[x])
+        ax.set_xlabel({"epoch": "effective epochs", "update": "server updates", "time": "virtual wall-clock time"}[x])
         ax.set_ylabel(f"training error (%), smoothed over {result.settings.window} minibatches")
         ax.set_title(study.title, fontsize=10)
         ax.grid(alpha=0.3)

@@ -5,8 +5,8 @@ shard is a few hundred examples, so 100 local minibatches would be several passe
 Clients run Downpour-style: n_sync local SGD steps from the fetched weights, then push the parameter delta, which the
 server adds (push="delta", server learning rate 1). The warm start is single-worker SGD for `warm_epochs` from the
 shared initial weights. Training error is smoothed over a sliding window of minibatches (the paper: 400) and plotted
-against effective epochs and against virtual wall-clock time (each exchange costs `comm_time` = 2 minibatches, which is
-what n_sync amortises).
+against server updates, virtual wall-clock time and effective epochs (each exchange costs `comm_time` = 2
+minibatches, which is what n_sync amortises).
 
 Command:   asgd-jax run gpu_asgd_nsync --quick --out results/gpu_asgd_nsync     (~5 minutes on 2 CPU cores: 18
            compiled programs, most of it compilation)
@@ -57,5 +57,5 @@ STUDY = Study(
     arms=arms,
     rows="clients",
     columns="label",
-    curves_x=("epoch", "time"),
+    curves_x=("update", "time", "epoch"),
 )
