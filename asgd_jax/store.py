@@ -227,6 +227,10 @@ class ParameterStore:
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Blocks until the store closes or ``timeout`` seconds pass; returns whether it is closed."""
+        return self._closed.wait(timeout)
+
     # -- internals ----------------------------------------------------------------------------------------------------
 
     def _id(self, worker: int) -> jax.Array:

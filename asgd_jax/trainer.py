@@ -533,7 +533,7 @@ class _Run:
             while any(t.is_alive() for t in threads) and time.perf_counter() < deadline:
                 if self.store.closed or len(self.failures) == self.M:
                     break
-                time.sleep(0.01)
+                self.store.wait_closed(0.05)  # no busy polling: the workers need the GIL more than we do
                 if time.perf_counter() >= next_log:
                     next_log += self.log_every
                     record = self._record(self.store.applied, time.perf_counter() - start)

@@ -1,7 +1,7 @@
 """DC-ASGD's lambda: DC-ASGD-a at M = 8 with lambda_0 in {0, 0.5, 1, 2, 4} (the supplement's sweep) and DC-ASGD-c with
 constant lambda in {0, 0.01, 0.04, 0.1, 0.4}; all ten settings x seeds are one compiled sweep.
 
-Command:   asgd-jax run dcasgd_lambda_sweep --quick --out results/dcasgd_lambda_sweep     (~1 minute on 2 CPU cores)
+Command:   asgd-jax run dcasgd_lambda_sweep --quick --out results/dcasgd_lambda_sweep     (~30 s on 2 CPU cores)
 Full form: asgd-jax run dcasgd_lambda_sweep --out results/dcasgd_lambda_sweep_full        (CIFAR-10 ResNet-20, a GPU)
 Expected:  lambda = 0 is ASGD; a moderate lambda (the paper: 0.5-2 for -a) helps; too large a lambda adds variance
            and hurts, too small makes the correction vanish.

@@ -1,6 +1,6 @@
 """DC-ASGD Table 1, in shape: {SGD at M=1, ASGD, SSGD, DC-ASGD-c, DC-ASGD-a} x M in {4, 8}, final test error.
 
-Command:   asgd-jax run dcasgd_table1 --quick --out results/dcasgd_table1     (~2 minutes on 2 CPU cores)
+Command:   asgd-jax run dcasgd_table1 --quick --out results/dcasgd_table1     (~45 s on 2 CPU cores)
 Full form: asgd-jax run dcasgd_table1 --out results/dcasgd_table1_full        (CIFAR-10 ResNet-20, 160 epochs, a GPU;
            needs `asgd-jax data prepare cifar10` first; the same setup as experiments/cifar10_resnet20.py)
 Expected:  staleness costs ASGD accuracy as M grows; DC-ASGD-a recovers most of it (the paper: 8.57% vs ASGD's 10.26%

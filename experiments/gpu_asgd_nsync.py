@@ -8,7 +8,7 @@ shared initial weights. Training error is smoothed over a sliding window of mini
 against server updates, virtual wall-clock time and effective epochs (each exchange costs `comm_time` = 2
 minibatches, which is what n_sync amortises).
 
-Command:   asgd-jax run gpu_asgd_nsync --quick --out results/gpu_asgd_nsync     (~5 minutes on 2 CPU cores: 18
+Command:   asgd-jax run gpu_asgd_nsync --quick --out results/gpu_asgd_nsync     (~2 minutes on 2 CPU cores: 18
            compiled programs, most of it compilation)
 Full form: asgd-jax run gpu_asgd_nsync --out results/gpu_asgd_nsync_full        (CIFAR-10 with the cuda-convnet style
            network, the whole grid, 400-minibatch window; a GPU, after `asgd-jax data prepare cifar10`)

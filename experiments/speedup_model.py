@@ -3,7 +3,7 @@ and n_sync (1 and 4), under a compute/communication cost model (a minibatch cost
 distributed; an exchange costs `comm_time`). GPU A-SGD's reference point is a 3.2x speed-up with 8 GPUs on
 ImageNet. Also SSGD with random stragglers (10% of minibatches 10x slower) against ASGD on the same cluster.
 
-Command:   asgd-jax run speedup_model --quick --out results/speedup_model     (~2 minutes on 2 CPU cores)
+Command:   asgd-jax run speedup_model --quick --out results/speedup_model     (~1.5 minutes on 2 CPU cores)
 Full form: asgd-jax run speedup_model --out results/speedup_model_full        (clients up to 32, 3 seeds)
 Expected:  speed-up grows with clients but sub-linearly (staleness costs progress per update); larger n_sync helps when
            communication is expensive; SSGD waits for the slowest worker every step and falls behind ASGD.

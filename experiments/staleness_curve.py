@@ -1,7 +1,7 @@
 """How error grows with staleness, per rule: final error vs number of workers M in {1, 2, 4, 8, 16, 32} for ASGD,
 DC-ASGD-a, staleness-aware SGD (lr / tau) and delay-adaptive SGD (lr * min(1, M / tau)); and vs a fixed delay tau.
 
-Command:   asgd-jax run staleness_curve --quick --out results/staleness_curve     (~3 minutes on 2 CPU cores)
+Command:   asgd-jax run staleness_curve --quick --out results/staleness_curve     (~1.5 minutes on 2 CPU cores)
 Full form: asgd-jax run staleness_curve --out results/staleness_curve_full        (all M and tau, 5 seeds, 40 epochs)
 Expected:  ASGD degrades as M (and the mean staleness, about M - 1) grows; DC-ASGD-a degrades least at large M; the
            staleness-aware rule is robust but slow (its step shrinks with tau); delay-adaptive sits in between.
