@@ -261,6 +261,7 @@ def _train(args: argparse.Namespace) -> int:
         "pushes_sent": result.pushes_sent,
         "pushes_applied": result.pushes_applied,
         "pushes_rejected": result.pushes_rejected,
+        "pushes_late": result.pushes_late,
         "failures": result.failures,
         "resumed_from": result.resumed_from,
         "seconds": result.seconds,
@@ -272,7 +273,8 @@ def _train(args: argparse.Namespace) -> int:
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
     print(f"test error {100 * error:.2f}% | pushes sent {result.pushes_sent}, applied {result.pushes_applied}, "
-          f"rejected {result.pushes_rejected} | {summary['updates_per_second']:.0f} updates/s | "
+          f"rejected {result.pushes_rejected} ({result.pushes_late} in flight at the end) | "
+          f"{summary['updates_per_second']:.0f} updates/s | "
           f"trace: {result.trace_path}")  # fmt: skip
     return 0 if not result.failures else 1
 

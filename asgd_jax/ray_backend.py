@@ -74,8 +74,9 @@ class StoreActor:
 
     def status(self) -> dict[str, Any]:
         s = self.store
-        return {"applied": s.applied, "rejected": s.rejected, "received": s.received, "closed": s.closed,
-                "error": None if s.error is None else str(s.error), "resumed_from": s.resumed_from}  # fmt: skip
+        return {"applied": s.applied, "rejected": s.rejected, "late": s.late, "received": s.received,
+                "closed": s.closed, "error": None if s.error is None else str(s.error),
+                "resumed_from": s.resumed_from}  # fmt: skip
 
     def close(self):
         """Closes the store (final checkpoint); returns the status, the final weights and the staleness counts."""
@@ -269,6 +270,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
         pushes_sent=status["received"],
         pushes_applied=status["applied"],
         pushes_rejected=status["rejected"],
+        pushes_late=status["late"],
         failures=failures,
         trace_path=None if out is None else os.path.join(out, "trace.jsonl"),
         checkpoint_path=None if out is None else os.path.join(out, "checkpoint.npz"),

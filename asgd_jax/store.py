@@ -8,7 +8,8 @@ replays in the simulator as ``asgd_jax.delays.Trace.load(path)``.
 
 Bad pushes never touch the model: a wrong tree structure, shape or dtype is rejected at ``push`` with a clear error;
 a payload with NaN/Inf is rejected (counted) or, with ``on_nonfinite="stop"``, closes the store with a clear message.
-Every push is counted exactly once as applied or rejected.
+Every push is counted exactly once as applied or rejected; ``late`` counts the rejected ones that merely arrived after
+the store closed (in flight when the budget was reached).
 
 Checkpoints (``checkpoint_dir``): the whole server state (weights, rule state, model state, every worker's backup and
 pulled version, the version), the counts and each worker's data position (pushes it got applied or rejected as
@@ -109,6 +110,7 @@ class ParameterStore:
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
         self._state = jax.device_put(state, self.device)
         self.received = self.applied = self.rejected = 0
+        self.late = 0  # of the rejected: pushes that arrived after the store closed (the budget was reached)
         self.done = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
         self.staleness_counts: collections.Counter[int] = collections.Counter()
         self.header = dict(header or {}, num_workers=num_workers)
@@ -180,6 +182,7 @@ class ParameterStore:
             self.received += 1
             if self._closed.is_set():
                 self.rejected += 1
+                self.late += 1
                 raise StoreClosed(self._closed_reason())
             problem = self._misfit(payload)
             if problem:
@@ -249,7 +252,7 @@ class ParameterStore:
         return None
 
     def _snapshot(self) -> tuple:
-        counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received}
+        counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
         return _host_copy(self._state), self.done.copy(), counts, dict(self.staleness_counts)
 
     def _write(self, snapshot: tuple) -> None:
@@ -274,7 +277,7 @@ class ParameterStore:
                 "Use the same settings, or another output folder."
             )
         self._state = jax.device_put(state, self.device)
-        self.applied, self.rejected = header["applied"], header["rejected"]
+        self.applied, self.rejected, self.late = header["applied"], header["rejected"], header.get("late", 0)
         self.received = self.applied + self.rejected  # pushes in flight at the checkpoint are lost and sent again
         self.done = np.asarray(arrays["done"], np.int64).copy()
         self.staleness_counts.update({int(k): v for k, v in header["staleness_counts"].items()})
@@ -295,6 +298,7 @@ class ParameterStore:
             if self._closed.is_set() and (self.max_updates is not None and self.applied >= self.max_updates):
                 with self._lock:
                     self.rejected += 1
+                    self.late += 1
                 future.set_exception(StoreClosed(self._closed_reason()))
                 continue
             ms = model_state if self._stateful else None
@@ -344,6 +348,7 @@ class ParameterStore:
             if item is not None:
                 with self._lock:
                     self.rejected += 1
+                    self.late += 1
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
 
 

@@ -85,6 +85,7 @@ class TrainResult:
       pushes_sent: pushes the workers sent (over all sessions of a resumed run); ``pushes_applied + pushes_rejected``
         always equals it.
       pushes_applied, pushes_rejected: the store's counts.
+      pushes_late: of the rejected, those that merely arrived after the budget was reached (in flight at the end).
       failures: ``{worker: repr(exception)}`` for workers that died.
       trace_path, checkpoint_path, metrics_path: files in ``out_dir`` (``None`` without it).
       seconds: wall time of the run phase (this session).
@@ -100,6 +101,7 @@ class TrainResult:
     pushes_sent: int
     pushes_applied: int
     pushes_rejected: int
+    pushes_late: int
     failures: dict[int, str]
     trace_path: str | None
     checkpoint_path: str | None
@@ -508,6 +510,7 @@ class _Run:
             pushes_sent=store.received,
             pushes_applied=store.applied,
             pushes_rejected=store.rejected,
+            pushes_late=store.late,
             failures=self.failures,
             trace_path=paths.get("trace"),
             checkpoint_path=paths.get("checkpoint"),

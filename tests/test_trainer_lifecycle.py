@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -113,9 +114,14 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one(tmp_
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch):
     original = asgd_jax.loader.ShardLoader.batch
 
+    interrupted = []
+
     def batch(self, j):
         if self.worker == 1 and j == 4:
             _thread.interrupt_main()  # what Ctrl-C does
+            interrupted.append(True)
+        if interrupted:  # from then on data is slow, so the run cannot finish before the main thread reacts
+            time.sleep(0.2)
         return original(self, j)
 
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", batch)
