@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import json
 import os
 import pathlib
@@ -112,19 +111,26 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one(tmp_
 
 
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch):
+    # Ctrl-C raises KeyboardInterrupt in the thread that runs train(), which sits in the monitor loop waiting on the
+    # store. Simulated there (whatever thread the test runner uses), once worker 1 has asked for its 5th minibatch.
     original = asgd_jax.loader.ShardLoader.batch
-
-    interrupted = []
+    original_wait = asgd_jax.store.ParameterStore.wait_closed
+    pressed = []
 
     def batch(self, j):
         if self.worker == 1 and j == 4:
-            _thread.interrupt_main()  # what Ctrl-C does
-            interrupted.append(True)
-        if interrupted:  # from then on data is slow, so the run cannot finish before the main thread reacts
+            pressed.append(True)
+        if pressed:  # from then on data is slow, so the run cannot finish before the main thread reacts
             time.sleep(0.2)
         return original(self, j)
 
+    def wait_closed(self, timeout):
+        if pressed:
+            raise KeyboardInterrupt
+        return original_wait(self, timeout)
+
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", batch)
+    monkeypatch.setattr(asgd_jax.store.ParameterStore, "wait_closed", wait_closed)
     with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
         train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
               devices=jax.devices()[:4], out_dir=tmp_path)  # fmt: skip
@@ -132,6 +138,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
     assert 0 < stopped_at < 40  # the final checkpoint holds every applied update (no checkpoint_every was set)
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", original)
+    monkeypatch.setattr(asgd_jax.store.ParameterStore, "wait_closed", original_wait)
     result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
                    devices=jax.devices()[:4], out_dir=tmp_path, resume=True)  # fmt: skip
     assert result.resumed_from == stopped_at and result.pushes_applied == 40
