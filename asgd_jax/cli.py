@@ -290,7 +290,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("study", help="a study name (see --list) or a path to a study .py file")
+    p.add_argument("study", nargs="?", help="a study name (see --list) or a path to a study .py file")
+    p.add_argument("--list", action="store_true", help="list the studies in experiments/ and exit")
     p.add_argument("--quick", action="store_true", help="the quick form")
     p.add_argument("--out", default=None, help="output folder [results/<study>]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -308,6 +309,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _run_study(args: argparse.Namespace) -> int:
     from asgd_jax import studies
 
+    if args.list or not args.study:
+        for name in studies.available():
+            print(f"{name:24s} {studies.load(name).title}")
+        return 0 if args.list else 2
     study = studies.load(args.study)
     out = args.out or f"results/{study.name}"
     settings = study.quick if args.quick else study.full

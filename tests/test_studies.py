@@ -85,7 +85,10 @@ def test_tables_speedup_and_paper_columns():
     np.testing.assert_equal(studies._time_to_target(np.arange(4.0), np.array([0.9, 0.6, 0.4, 0.3]), 0.5), 2.0)
 
 
-def test_cli_errors_for_studies(tmp_path, capsys):
+def test_cli_lists_studies_and_errors(tmp_path, capsys):
+    assert main(["run", "--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "gpu_asgd_nsync" in listing and "GPU A-SGD" in listing
     assert main(["run", "nope", "--quick"]) == 2
     assert "choose from" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
