@@ -55,6 +55,7 @@ class StoreActor:
 
     def __init__(self, rule, params, num_workers: int, kwargs: dict[str, Any]):
         self.store = ParameterStore(rule, params, num_workers, **kwargs)
+        self.store.warm_up()
 
     def sync(self, worker: int):
         """``worker``'s backup (weights it last pulled), model state, version and data position (in pushes)."""

@@ -355,7 +355,9 @@ class _Run:
         return p, ms, jax.device_put(batches, batch_sharded), k, v, i
 
     def _warm_up(self) -> None:
-        """Compiles the worker function for every device group (and the evaluation) before the clock starts."""
+        """Compiles the worker function for every device group, the store's exchange and the evaluation before the
+        clock starts."""
+        self.store.warm_up()
         w0, ms0 = jax.device_get((self.store.state().params, self.store.state().model_state))
         for g in range(min(len(self.shardings), self.M)):
             batches = _stack([self.loaders[g].batch(0)] * self.n_sync)
