@@ -57,11 +57,11 @@ def make_problem():
     return loss, params, data
 
 
-def run(loss, params, data, devices, *, workers, steps, mode="async", slowdown=None, rule="dc_asgd_a"):
+def run(loss, params, data, devices, *, workers, steps, mode="async", slowdown=None, rule="dc_asgd_a", batch=BATCH):
     rule = asgd_jax.asgd(0.05) if rule == "asgd" else asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=workers)
     result = train(
         loss, rule, params, data, num_workers=workers,
-        steps=steps, batch_size=BATCH, devices=devices, mode=mode, slowdown=slowdown, key=jax.random.key(0),
+        steps=steps, batch_size=batch, devices=devices, mode=mode, slowdown=slowdown, key=jax.random.key(0),
     )  # fmt: skip
     assert result.pushes_applied == steps and not result.failures
     minibatches = sum(w.pushes for w in result.workers)
@@ -73,14 +73,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--batch-size", type=int, default=BATCH, help="per worker; the store's cost does not grow with it"
+    )
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 3)
     steps = 60 if args.quick else 200
     devices = jax.devices()[:4]
     n = len(devices)
     loss, params, data = make_problem()
-    print(f"{n} x {devices[0].platform} devices, {sum(x.size for p in params for x in p.values()):,} params, "
-          f"{steps} updates per run, {repeats} repeats (medians)")  # fmt: skip
+    print(f"{n} x {devices[0].platform} devices, {sum(x.size for p in params for x in p.values()):,} params, batch "
+          f"{args.batch_size} per worker, {steps} updates per run, {repeats} repeats (medians)")  # fmt: skip
     configs = {
         **{f"async x{m}": dict(workers=m) for m in (1, 2, 4) if m <= n},
         **{f"async x{m}, ASGD rule": dict(workers=m, rule="asgd") for m in (1, n)},
@@ -90,7 +93,7 @@ def main() -> None:
     samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in configs}
     for _ in range(repeats):
         for name, cfg in configs.items():
-            cfg = {"steps": steps, **cfg}
+            cfg = {"steps": steps, "batch": args.batch_size, **cfg}
             samples[name].append(run(loss, params, data, devices, **cfg))
     med = {k: tuple(statistics.median(s[i] for s in v) for i in range(3)) for k, v in samples.items()}
     print("\n| configuration | updates/s | minibatches/s | worker time outside compute |\n|---|---|---|---|")
