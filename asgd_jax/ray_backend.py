@@ -28,9 +28,8 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
-from asgd_jax import simulator
+from asgd_jax import simulator, trainer
 from asgd_jax.loader import ShardLoader
 from asgd_jax.store import BadPush, ParameterStore, StoreClosed
 
@@ -90,8 +89,6 @@ class WorkerActor:
     """One asynchronous worker: its shard's minibatches, the jitted exchange-period function, a loop of pushes."""
 
     def __init__(self, worker, store, loss_fn, data, config: dict[str, Any]):
-        from asgd_jax import trainer
-
         self.w, self.store, self.data, self.c = worker, store, data, config
         self.stateful = config["stateful"]
         self.work = trainer.make_work(loss_fn, config["cfg"], "async", config["num_workers"], config["local_lr"])
@@ -100,11 +97,7 @@ class WorkerActor:
             raise ValueError(
                 f"worker {worker} sees {len(jax.devices())} device(s), needs {config['devices_per_worker']}."
             )
-        mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
-        P = jax.sharding.PartitionSpec
-        self.replicated = jax.sharding.NamedSharding(mesh, P())
-        self.batch_sharded = jax.sharding.NamedSharding(mesh, P(None, "batch"))
-        self.model_key = simulator._split_key(config["key"])[2]
+        self.group = trainer._Group(devices, simulator._split_key(config["key"])[2])
 
     def _sync(self, ray, patience: float = 120.0):
         """What the store knows about this worker, and a loader at its data position (waits out a store restart)."""
@@ -130,13 +123,9 @@ class WorkerActor:
         stats = {"pushes": 0, "compute": 0.0, "exchange": 0.0, "losses": []}
         try:
             while True:
-                batches = [next(loader) for _ in range(c["n_sync"])]
-                batches = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+                batches = trainer._stack([next(loader) for _ in range(c["n_sync"])])
                 t0 = time.perf_counter()
-                p, ms, k, v, i = jax.device_put(
-                    (params, model_state, self.model_key, np.int32(version), np.int32(self.w)), self.replicated
-                )
-                out = self.work(p, ms, jax.device_put(batches, self.batch_sharded), k, v, i)
+                out = self.work(*self.group.place(self.w, params, model_state, batches, version))
                 payload, new_ms, loss = jax.device_get(out[:3])
                 t1 = time.perf_counter()
                 try:
@@ -176,8 +165,6 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
               local_learning_rate, devices_per_worker, out_dir, checkpoint_every, resume, eval_fn, on_worker_failure,
               on_nonfinite, max_restarts, ray_address, timeout, num_examples, shard_size):  # fmt: skip
     """The Ray backend of :func:`asgd_jax.trainer.train` (arguments already validated there)."""
-    from asgd_jax import trainer
-
     ray = require_ray()
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)

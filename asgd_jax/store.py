@@ -109,6 +109,7 @@ class ParameterStore:
             params, model_state = jax.device_put((params, model_state), self.device)  # explicit, never implicit
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
         self._state = jax.device_put(state, self.device)
+        self._ids = [jax.device_put(np.int32(w), self.device) for w in range(num_workers)]  # placed once, not per push
         self.received = self.applied = self.rejected = 0
         self.late = 0  # of the rejected: pushes that arrived after the store closed (the budget was reached)
         self.done = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
@@ -249,7 +250,7 @@ class ParameterStore:
     # -- internals ----------------------------------------------------------------------------------------------------
 
     def _id(self, worker: int) -> jax.Array:
-        return jax.device_put(np.int32(worker), self.device)
+        return self._ids[worker]
 
     def _check_worker(self, worker: int) -> None:
         if not isinstance(worker, int | np.integer) or not 0 <= worker < self.num_workers:

@@ -33,11 +33,11 @@ import jax
 import numpy as np
 import optax
 
+from asgd_jax import ablation, rules
 from asgd_jax import data as data_lib
 from asgd_jax import delays as delays_lib
 from asgd_jax import metrics as metrics_lib
 from asgd_jax import models as models_lib
-from asgd_jax import rules
 from asgd_jax.simulator import grid, simulate, sweep
 
 __all__ = ["Arm", "Settings", "Study", "Variant", "available", "load", "report", "run"]
@@ -230,8 +230,7 @@ def load(name_or_path: str) -> Study:
 def _schedule(s: Settings, num_updates: int) -> optax.Schedule:
     if s.schedule == "constant":
         return optax.constant_schedule(s.learning_rate)
-    boundaries = {int(0.5 * num_updates): 0.1, int(0.75 * num_updates): 0.1}
-    return optax.piecewise_constant_schedule(s.learning_rate, boundaries)
+    return ablation._schedule(s.learning_rate, num_updates)  # DC-ASGD's steps, as in the ablation
 
 
 def _rule_fn(family: str, arm: Arm, s: Settings, num_updates: int, num_workers: int):

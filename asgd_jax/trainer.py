@@ -283,6 +283,21 @@ def make_work(loss_fn, cfg, mode: str, num_workers: int, local_learning_rate: fl
     return jax.jit(work)
 
 
+class _Group:
+    """A worker's devices: the shardings of its mesh, and the run's model key placed on it once."""
+
+    def __init__(self, devices: list[jax.Device], model_key: jax.Array):
+        mesh = Mesh(np.array(devices), ("batch",))
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_sharded = NamedSharding(mesh, P(None, "batch"))
+        self.model_key = jax.device_put(model_key, self.replicated)
+
+    def place(self, worker: int, params, model_state, batches, version: int) -> tuple:
+        """The inputs of :func:`make_work`'s function on this group; every host -> device copy explicit."""
+        p, ms, v, i = jax.device_put((params, model_state, np.int32(version), np.int32(worker)), self.replicated)
+        return p, ms, jax.device_put(batches, self.batch_sharded), self.model_key, v, i
+
+
 def _device_groups(devices: list[jax.Device], per_worker: int) -> list[list[jax.Device]]:
     if not isinstance(per_worker, int) or per_worker < 1:
         raise ValueError(f"devices_per_worker={per_worker!r} is invalid: use an int >= 1.")
@@ -306,12 +321,8 @@ class _Run:
         self.out_dir = None if out_dir is None else os.fspath(out_dir)
         self.on_worker_failure, self.slowdown, self.timeout = on_worker_failure, slowdown, timeout
         self.log_every, self.progress = log_every, progress
-        self.shardings = []
-        for group in groups:
-            mesh = Mesh(np.array(group), ("batch",))
-            self.shardings.append((NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "batch"))))
         self.work = make_work(loss_fn, cfg, mode, num_workers, local_learning_rate)
-        self.model_key = simulator._split_key(key)[2]
+        self.groups = [_Group(g, simulator._split_key(key)[2]) for g in groups]
         self.metrics_file = None
         self.metrics_lock = threading.Lock()
         if self.out_dir is not None:
@@ -349,17 +360,15 @@ class _Run:
     # -- set-up ------------------------------------------------------------------------------------------------------
 
     def _place(self, w: int, params, model_state, batches, version: int):
-        replicated, batch_sharded = self.shardings[w % len(self.shardings)]
-        p, ms, k, v, i = jax.device_put((params, model_state, self.model_key, np.int32(version), np.int32(w)),
-                                        replicated)  # fmt: skip
-        return p, ms, jax.device_put(batches, batch_sharded), k, v, i
+        return self.groups[w % len(self.groups)].place(w, params, model_state, batches, version)
 
     def _warm_up(self) -> None:
         """Compiles the worker function for every device group, the store's exchange and the evaluation before the
         clock starts."""
         self.store.warm_up()
-        w0, ms0 = jax.device_get((self.store.state().params, self.store.state().model_state))
-        for g in range(min(len(self.shardings), self.M)):
+        state = self.store.state()  # one host copy of the whole server state
+        w0, ms0 = state.params, state.model_state
+        for g in range(min(len(self.groups), self.M)):
             batches = _stack([self.loaders[g].batch(0)] * self.n_sync)
             jax.block_until_ready(self.work(*self._place(g, w0, ms0, batches, 0)))
         if self.evaluator is not None:

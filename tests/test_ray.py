@@ -9,23 +9,15 @@ import time
 
 import jax
 import jax.numpy as jnp
+import lsq_problem
 import numpy as np
 import pytest
+from lsq_problem import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax.trainer import train
 
 ray = pytest.importorskip("ray")
-
-N, DIM = 96, 4
-_rng = np.random.default_rng(0)
-X = _rng.normal(size=(N, DIM)).astype(np.float32)
-DATA = {"x": X, "y": (X @ _rng.normal(size=DIM)).astype(np.float32)}
-W0 = np.zeros(DIM, np.float32)
-
-
-def lsq_loss(w, batch):
-    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
 
 
 def rule():
@@ -35,7 +27,8 @@ def rule():
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    for module in (sys.modules[__name__], lsq_problem):  # the workers cannot import the test modules
+        ray.cloudpickle.register_pickle_by_value(module)
     yield ray
     ray.shutdown()
 

@@ -9,20 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lsq_problem import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax.store import BadPush, ParameterStore, StoreClosed
 from asgd_jax.trainer import train
-
-N, DIM = 96, 4
-_rng = np.random.default_rng(0)
-X = _rng.normal(size=(N, DIM)).astype(np.float32)
-DATA = {"x": X, "y": (X @ _rng.normal(size=DIM)).astype(np.float32)}
-W0 = np.zeros(DIM, np.float32)
-
-
-def lsq_loss(w, batch):
-    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
 
 
 @pytest.fixture

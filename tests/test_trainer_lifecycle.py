@@ -14,21 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lsq_problem import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax import checkpoint
 from asgd_jax.trainer import train
 
-N, DIM = 96, 4
-_rng = np.random.default_rng(0)
-X = _rng.normal(size=(N, DIM)).astype(np.float32)
-DATA = {"x": X, "y": (X @ _rng.normal(size=DIM)).astype(np.float32)}
-W0 = np.zeros(DIM, np.float32)
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def lsq_loss(w, batch):
-    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
 
 
 def rule():
@@ -57,7 +49,8 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
         import os, signal, sys
         sys.path.insert(0, "tests")
         import jax, asgd_jax.loader
-        from test_trainer_lifecycle import DATA, W0, lsq_loss, rule
+        from lsq_problem import DATA, W0, lsq_loss
+        from test_trainer_lifecycle import rule
         from asgd_jax.trainer import train
         original = asgd_jax.loader.ShardLoader.batch
         def batch(self, j):
