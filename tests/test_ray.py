@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 import threading
@@ -41,7 +42,7 @@ def replay(trace_path, steps, num=2):
 
 
 def _train_in_thread(**kwargs):
-    box = {}
+    box = {"before": set(ray.util.list_named_actors())}  # actors of earlier runs may still be on their way out
 
     def target():
         try:
@@ -55,15 +56,25 @@ def _train_in_thread(**kwargs):
     return thread, box
 
 
-def _kill_when(trace: pathlib.Path, lines: int, role: str) -> None:
+def _kill_when(trace: pathlib.Path, lines: int, role: str, before: set[str]) -> int:
+    """Kills this run's ``role`` actor once the trace has ``lines`` lines and, for a worker, one push of its own.
+
+    A worker must have pushed: one killed while still in its constructor is restarted by Ray before its ``run`` task is
+    sent, so nothing fails and nothing is reported (what CI's faster machine once hit with a bare line count)."""
+    worker = int(role.rsplit("-", 1)[1]) if role.startswith("worker-") else None
     deadline = time.time() + 120
     while time.time() < deadline:
-        if trace.exists() and len(trace.read_text().splitlines()) >= lines:
+        complete = trace.read_text().split("\n")[:-1] if trace.exists() else []  # the last line may be half-written
+        records = [json.loads(line) for line in complete]
+        if len(records) >= lines and (worker is None or any(r["worker"] == worker for r in records)):
             break
         time.sleep(0.05)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(role)]
-    assert names, f"no actor {role}"
-    ray.kill(ray.get_actor(names[-1]), no_restart=False)
+    else:
+        pytest.fail(f"the trace never reached {lines} lines with a push from {role}")
+    names = [n for n in ray.util.list_named_actors() if n.endswith("/" + role) and n not in before]
+    assert len(names) == 1, f"expected one live actor {role}, found {names}"
+    ray.kill(ray.get_actor(names[0]), no_restart=False)
+    return len(records)  # at most this many updates had been applied when the kill was sent
 
 
 def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
@@ -77,7 +88,8 @@ def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
 
 def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_path):
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, max_restarts=1)
-    _kill_when(tmp_path / "trace.jsonl", 20, "worker-1")
+    killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
+    assert killed_at < 500, "the kill came too late to test anything: make the run longer"
     thread.join(timeout=300)
     result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
     assert list(result.failures) == [1]  # reported
@@ -87,7 +99,7 @@ def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_p
 
 def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, checkpoint_every=10)
-    _kill_when(tmp_path / "trace.jsonl", 100, "store")
+    _kill_when(tmp_path / "trace.jsonl", 100, "store", box["before"])
     thread.join(timeout=300)
     result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
     assert result.resumed_from > 0 and result.resumed_from % 10 == 0
