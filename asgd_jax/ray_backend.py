@@ -229,7 +229,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
             try:
                 stats[w] = _merge(stats.get(w), ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                failures[w] = repr(e)[:500]
+                failures[w] = f"{type(e).__name__}: {e}"[:500]
                 log.error("worker %d failed: %s", w, failures[w])
                 if on_worker_failure == "stop":
                     ray.get(store.close.remote())

@@ -86,7 +86,7 @@ class TrainResult:
         always equals it.
       pushes_applied, pushes_rejected: the store's counts.
       pushes_late: of the rejected, those that merely arrived after the budget was reached (in flight at the end).
-      failures: ``{worker: repr(exception)}`` for workers that died.
+      failures: ``{worker: "ExceptionType: message"}`` for workers that died.
       trace_path, checkpoint_path, metrics_path: files in ``out_dir`` (``None`` without it).
       seconds: wall time of the run phase (this session).
       losses: per worker, the training losses of its pushes (this session).
@@ -457,8 +457,8 @@ class _Run:
             try:
                 body(w)
             except Exception as e:
-                self.failures[w] = repr(e)
-                log.error("worker %d failed: %r", w, e)
+                self.failures[w] = f"{type(e).__name__}: {e}"
+                log.exception("worker %d failed: %s", w, self.failures[w])  # with the traceback
                 if self.on_worker_failure == "stop" or self.mode == "sync":
                     self.stop.set()
                     self.store.close()

@@ -97,6 +97,22 @@ def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_p
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
 
 
+def test_a_killed_worker_actor_without_restarts_is_dropped_and_the_others_finish_the_run(local_ray, tmp_path):
+    thread, box = _train_in_thread(steps=600, out_dir=tmp_path)  # max_restarts=0: the default
+    killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
+    assert killed_at < 500, "the kill came too late to test anything: make the run longer"
+    thread.join(timeout=300)
+    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    assert list(result.failures) == [1] and result.failures[1].startswith("ActorDiedError: "), result.failures
+    assert "/worker-1" in result.failures[1]  # Ray's message names the actor
+    assert result.pushes_applied == 600
+    trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    last_of_1 = max(i for i, r in enumerate(trace) if r["worker"] == 1)
+    assert last_of_1 < killed_at + 5  # worker 1 stopped pushing at the kill (give or take pushes in flight)
+    assert {r["worker"] for r in trace[last_of_1 + 1 :]} == {0}  # worker 0 alone finished the run
+    np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
 def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, checkpoint_every=10)
     _kill_when(tmp_path / "trace.jsonl", 100, "store", box["before"])
