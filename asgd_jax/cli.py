@@ -223,9 +223,14 @@ def _train(args: argparse.Namespace) -> int:
     import os
 
     import jax
+    from jax._src import xla_bridge
 
     from asgd_jax import checkpoint, data, models, trainer
 
+    if args.backend == "ray" and not xla_bridge.backends_are_initialized():
+        # The driver (data, initial weights, evaluation) stays on the CPU: the worker actors own the GPUs, and a driver
+        # on GPU 0 would take most of its memory (JAX preallocates) from the worker placed there.
+        jax.config.update("jax_platforms", "cpu")
     slowdown = _parse_slowdown(args.slowdown)
     ds = data.load(args.dataset, data_dir=args.data_dir)
     model = models.get(args.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
@@ -235,9 +240,10 @@ def _train(args: argparse.Namespace) -> int:
         params, model_state = checkpoint.load_model(args.warm_start, params, model_state)
     devices = jax.devices()
     every = max(1, args.steps // 10)
-    print(f"asgd-jax train: {args.workers} {args.mode} workers on {len(devices)} {devices[0].platform} device(s) "
-          f"({args.devices_per_worker} per worker), {args.rule}, {args.steps} updates -> {args.out}",
-          flush=True)  # fmt: skip
+    where = (f"worker actors on Ray ({args.ray_address or 'a local instance'})" if args.backend == "ray" else
+             f"workers on {len(devices)} {devices[0].platform} device(s)")  # fmt: skip
+    print(f"asgd-jax train: {args.workers} {args.mode} {where} ({args.devices_per_worker} device(s) per worker), "
+          f"{args.rule}, {args.steps} updates -> {args.out}", flush=True)  # fmt: skip
     try:
         result = trainer.train(
             models.classification_loss(model), rule, params, ds.train, num_workers=args.workers, steps=args.steps,
@@ -246,7 +252,7 @@ def _train(args: argparse.Namespace) -> int:
             devices_per_worker=args.devices_per_worker, out_dir=args.out,
             checkpoint_every=args.checkpoint_every or every, resume=args.resume,
             warm_start_steps=args.warm_start_steps, eval_fn=models.classification_eval(model, ds.test),
-            eval_every=None if args.backend == "ray" else args.eval_every or every, progress=not args.no_progress,
+            eval_every=args.eval_every or every, progress=not args.no_progress,
             on_worker_failure=args.on_worker_failure, on_nonfinite=args.on_nonfinite,
             slowdown=slowdown, timeout=args.timeout, backend=args.backend, ray_address=args.ray_address,
             max_restarts=args.max_restarts,

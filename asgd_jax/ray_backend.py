@@ -14,6 +14,10 @@ simulator. What Ray adds is processes and machines:
   run goes on (``on_worker_failure="continue"``) or stops (``"stop"``).
 * With ``out_dir`` the store actor checkpoints every ``checkpoint_every`` updates and Ray restarts it if it dies: it
   resumes from its last checkpoint (the trace is cut back to it) and the workers re-sync from it.
+* The driver polls the store for its counts, the workers' losses and snapshots of the weights after every
+  ``eval_every``-th update: it draws the progress bar, writes ``metrics.jsonl`` like the threaded trainer and evaluates
+  the snapshots in a thread on ``eval_device`` (default: its CPU, so the workers keep the GPUs). Ctrl-C closes the
+  store (final checkpoint) and raises ``KeyboardInterrupt``; ``resume=True`` continues.
 
 Example (a local Ray instance; ``ray start --head`` and ``ray_address="auto"`` for a cluster)::
 
@@ -50,11 +54,19 @@ def require_ray():
 
 
 class StoreActor:
-    """A :class:`ParameterStore` in an actor (threaded: pushes queue in the store while earlier ones are applied)."""
+    """A :class:`ParameterStore` in an actor (threaded: pushes queue in the store while earlier ones are applied).
+
+    It also keeps what the driver polls for its progress bar, ``metrics.jsonl`` and evaluations: the workers' losses
+    since the last poll and host snapshots of the weights after every ``snapshot_every``-th update."""
 
     def __init__(self, rule, params, num_workers: int, kwargs: dict[str, Any]):
-        self.store = ParameterStore(rule, params, num_workers, **kwargs)
+        self._snapshots: list[tuple] = []
+        self._losses: list[float] = []
+        self.store = ParameterStore(rule, params, num_workers, on_snapshot=self._snapshot, **kwargs)
         self.store.warm_up()
+
+    def _snapshot(self, version: int, params, model_state) -> None:
+        self._snapshots.append((version, params, model_state))  # host copies already (the applier hands them out)
 
     def sync(self, worker: int):
         """``worker``'s backup (weights it last pulled), model state, version and data position (in pushes)."""
@@ -62,27 +74,37 @@ class StoreActor:
         host = jax.device_get((params, model_state))
         return (*host, version, int(self.store.done[worker]))
 
-    def push(self, worker: int, payload, version: int, model_state):
+    def push(self, worker: int, payload, version: int, model_state, loss: float | None = None):
         """Applies a push; returns ``("ok", (params, model_state, version))``, ``("rejected", why)`` or
         ``("closed", why)``."""
         try:
-            return "ok", self.store.push(worker, payload, version, model_state).result()
+            result = self.store.push(worker, payload, version, model_state).result()
         except StoreClosed as e:
             return "closed", str(e)
         except BadPush as e:
             return "rejected", str(e)
+        if loss is not None:
+            self._losses.append(loss)
+        return "ok", result
 
     def status(self) -> dict[str, Any]:
         s = self.store
         return {"applied": s.applied, "rejected": s.rejected, "late": s.late, "received": s.received,
                 "closed": s.closed, "error": None if s.error is None else str(s.error),
-                "resumed_from": s.resumed_from}  # fmt: skip
+                "resumed_from": s.resumed_from, "done": [int(d) for d in s.done],
+                "staleness_counts": dict(s.staleness_counts)}  # fmt: skip
+
+    def progress(self) -> tuple[dict[str, Any], list[float], list[tuple]]:
+        """The status, the losses pushed since the last call and the snapshots taken since then (both handed over)."""
+        losses, self._losses = self._losses, []
+        snapshots, self._snapshots = self._snapshots, []
+        return self.status(), losses, snapshots
 
     def close(self):
-        """Closes the store (final checkpoint); returns the status, the final weights and the staleness counts."""
+        """Closes the store (final checkpoint); returns :meth:`progress` and the final weights."""
         self.store.close()
         final = self.store.state()
-        return self.status(), final.params, final.model_state, dict(self.store.staleness_counts)
+        return self.progress(), final.params, final.model_state
 
 
 class WorkerActor:
@@ -91,6 +113,7 @@ class WorkerActor:
     def __init__(self, worker, store, loss_fn, data, config: dict[str, Any]):
         self.w, self.store, self.data, self.c = worker, store, data, config
         self.stateful = config["stateful"]
+        self.slowdown = config["slowdown"].get(worker, 1.0)
         self.work = trainer.make_work(loss_fn, config["cfg"], "async", config["num_workers"], config["local_lr"])
         devices = jax.devices()[: config["devices_per_worker"]]
         if len(devices) < config["devices_per_worker"]:
@@ -128,9 +151,12 @@ class WorkerActor:
                 out = self.work(*self.group.place(self.w, params, model_state, batches, version))
                 payload, new_ms, loss = jax.device_get(out[:3])
                 t1 = time.perf_counter()
+                if self.slowdown > 1:  # a straggler: this worker computes `slowdown` times slower
+                    time.sleep((self.slowdown - 1.0) * (t1 - t0))
+                    t1 = time.perf_counter()
                 try:
                     status, result = ray.get(
-                        self.store.push.remote(self.w, payload, version, new_ms if self.stateful else None)
+                        self.store.push.remote(self.w, payload, version, new_ms if self.stateful else None, float(loss))
                     )
                 except _actor_errors(ray):  # the store died: Ray restarts it from its last checkpoint; re-sync
                     log.warning("worker %d: the store restarted; re-syncing", self.w)
@@ -162,8 +188,9 @@ def _actor_errors(ray) -> tuple[type[BaseException], ...]:
 
 
 def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, key, model_state, n_sync, push,
-              local_learning_rate, devices_per_worker, out_dir, checkpoint_every, resume, eval_fn, on_worker_failure,
-              on_nonfinite, max_restarts, ray_address, timeout, num_examples, shard_size):  # fmt: skip
+              local_learning_rate, devices_per_worker, out_dir, checkpoint_every, resume, eval_fn, eval_every,
+              eval_device, on_worker_failure, on_nonfinite, max_restarts, ray_address, timeout, num_examples,
+              shard_size, slowdown, log_every, progress):  # fmt: skip
     """The Ray backend of :func:`asgd_jax.trainer.train` (arguments already validated there)."""
     ray = require_ray()
     if not ray.is_initialized():
@@ -201,6 +228,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
                 "checkpoint_every": checkpoint_every,
                 "resume": out is not None,
                 "header": header,
+                "snapshot_every": eval_every,
             },
         )
     )
@@ -208,7 +236,8 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
     resources = {"num_gpus": devices_per_worker} if gpus else {"num_cpus": 1}
     config = {"cfg": simulator._Config("async", n_sync, push, batch_size, num_examples, shard_size, stateful, 1),
               "num_workers": num_workers, "local_lr": local_learning_rate, "devices_per_worker": devices_per_worker,
-              "key": key, "batch_size": batch_size, "n_sync": n_sync, "stateful": stateful}  # fmt: skip
+              "key": key, "batch_size": batch_size, "n_sync": n_sync, "stateful": stateful,
+              "slowdown": slowdown}  # fmt: skip
     data_ref = ray.put(data)
     Worker = ray.remote(WorkerActor)
     workers = {
@@ -216,42 +245,104 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
                           **resources).remote(w, store, loss_fn, data_ref, config)
         for w in range(num_workers)
     }  # fmt: skip
+    # The driver evaluates (off the workers' GPUs by default), writes metrics.jsonl and draws the progress bar.
+    metrics = trainer._Metrics(num_workers)
+    evaluator = None
+    if eval_fn is not None:
+        evaluator = trainer._Evaluator(eval_fn, eval_device or jax.devices("cpu")[0], metrics.write)
+        evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
+    status = ray.get(store.status.remote())  # also waits for the store to be up (and resumed)
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
+    metrics.open(out, append=bool(status["resumed_from"]), applied=status["applied"], pushes=status["done"],
+                 staleness_counts=status["staleness_counts"])  # fmt: skip
     start = time.perf_counter()
+    metrics.restart_clock(start)
     running = {workers[w].run.remote(): w for w in workers}
     restarts = dict.fromkeys(workers, 0)
     failures: dict[int, str] = {}
     stats: dict[int, dict[str, Any]] = {}
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, initial=status["applied"], disable=not progress, unit="update",
+               desc=f"async x{num_workers} (ray)", dynamic_ncols=True)  # fmt: skip
+    losses: list[float] = []
+    interrupted = False
+
+    def take(polled) -> None:
+        """Hands a poll's snapshots to the evaluator and writes a metrics record when one is due."""
+        nonlocal status
+        status, new_losses, snapshots = polled
+        losses.extend(new_losses)
+        for snapshot in snapshots if evaluator is not None else ():
+            evaluator.submit(*snapshot)
+
+    def log_record(final: bool = False) -> None:
+        record = metrics.record(
+            applied=status["applied"], rejected=status["rejected"], elapsed=time.perf_counter() - start,
+            pushes=status["done"], new_losses=losses, staleness_counts=status["staleness_counts"], final=final,
+        )  # fmt: skip
+        losses.clear()
+        metrics.write(record)
+        bar.update(status["applied"] - bar.n)
+        if record["loss"] is not None:
+            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+
     deadline = start + timeout
-    while running and time.perf_counter() < deadline:
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
-        for ref in ready:
-            w = running.pop(ref)
+    next_log = start + log_every
+    try:
+        while running and time.perf_counter() < deadline:
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=min(0.25, log_every))
+            for ref in ready:
+                w = running.pop(ref)
+                try:
+                    stats[w] = _merge(stats.get(w), ray.get(ref))
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    failures[w] = f"{type(e).__name__}: {e}"[:500]
+                    log.error("worker %d failed: %s", w, failures[w])
+                    if on_worker_failure == "stop":
+                        ray.get(store.close.remote())
+                    elif restarts[w] < max_restarts:  # Ray restarts the actor; it re-syncs from the store
+                        restarts[w] += 1
+                        log.warning("worker %d restarted (%d of %d)", w, restarts[w], max_restarts)
+                        running[workers[w].run.remote()] = w
             try:
-                stats[w] = _merge(stats.get(w), ray.get(ref))
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                failures[w] = f"{type(e).__name__}: {e}"[:500]
-                log.error("worker %d failed: %s", w, failures[w])
-                if on_worker_failure == "stop":
-                    ray.get(store.close.remote())
-                elif restarts[w] < max_restarts:  # Ray restarts the actor; it re-syncs from the store
-                    restarts[w] += 1
-                    log.warning("worker %d restarted (%d of %d)", w, restarts[w], max_restarts)
-                    running[workers[w].run.remote()] = w
+                take(ray.get(store.progress.remote()))
+            except _actor_errors(ray):  # the store is restarting from its checkpoint: poll again later
+                continue
+            if time.perf_counter() >= next_log:
+                next_log += log_every
+                log_record()
+    except KeyboardInterrupt:
+        interrupted = True
+        log.warning("interrupted: stopping the workers and writing a final checkpoint")
+    finally:
+        try:
+            polled, final_params, final_ms = ray.get(store.close.remote())
+        finally:
+            for actor in workers.values():
+                ray.kill(actor)
+            ray.kill(store)
+            bar.close()
     seconds = time.perf_counter() - start
-    status, final_params, final_ms, staleness = ray.get(store.close.remote())
-    for w in workers.values():
-        ray.kill(w)
-    ray.kill(store)
-    if status["error"] is not None:
-        raise RuntimeError(f"training stopped: {status['error']}")
+    take(polled)
     evals = []
-    if eval_fn is not None:
-        evals = [{"update": status["applied"], **{k: float(v) for k, v in jax.device_get(
-            jax.jit(eval_fn)(final_params, final_ms)).items()}}]  # fmt: skip
+    if evaluator is not None:
+        evaluator.close()
+        if not evaluator.history or evaluator.history[-1]["update"] != status["applied"]:
+            evaluator.submit(status["applied"], final_params, final_ms)
+            evaluator.close()
+        evals = evaluator.history
     if out is not None:
         from asgd_jax import checkpoint
 
         checkpoint.save_model(os.path.join(out, trainer.MODEL), final_params, final_ms)
+        log_record(final=True)
+    metrics.close()
+    if interrupted:
+        raise KeyboardInterrupt(f"training interrupted at update {status['applied']}; resume=True continues")
+    if status["error"] is not None:
+        raise RuntimeError(f"training stopped: {status['error']}")
     return trainer.TrainResult(
         params=final_params,
         model_state=final_ms,
@@ -262,7 +353,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
         failures=failures,
         trace_path=None if out is None else os.path.join(out, "trace.jsonl"),
         checkpoint_path=None if out is None else os.path.join(out, "checkpoint.npz"),
-        metrics_path=None,
+        metrics_path=None if out is None else os.path.join(out, trainer.METRICS),
         seconds=seconds,
         losses={w: s["losses"] for w, s in stats.items()},
         workers=[trainer.WorkerStats(pushes=s["pushes"], compute=s["compute"], exchange=s["exchange"],
@@ -270,7 +361,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
                  (stats.get(w, {"pushes": 0, "compute": 0.0, "exchange": 0.0}) for w in range(num_workers))],
         evals=evals,
         resumed_from=status["resumed_from"],
-        staleness_counts=dict(sorted(staleness.items())),
+        staleness_counts=dict(sorted(status["staleness_counts"].items())),
     )  # fmt: skip
 
 

@@ -178,8 +178,8 @@ def train(
         study stragglers.
       timeout: seconds after which the run is stopped regardless (no deadlock, ever).
       backend: ``"threads"`` (default: this machine's devices) or ``"ray"`` (a store actor and worker actors on a Ray
-        cluster, :mod:`asgd_jax.ray_backend`; no ``mode="sync"``, ``eval_every`` or ``slowdown`` there, and
-        ``eval_fn`` runs once at the end).
+        cluster, :mod:`asgd_jax.ray_backend`; no ``mode="sync"`` there; evaluations run in the driver, by default
+        on its CPU so that the workers keep the GPUs).
       ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made here); default: a local instance.
       max_restarts: Ray backend: how often Ray restarts a dead worker actor (it resumes from the store) before it is
         dropped.
@@ -207,10 +207,8 @@ def train(
     if backend not in ("threads", "ray"):
         raise ValueError(f"backend={backend!r} is invalid: use 'threads' or 'ray'.")
     if backend == "ray":
-        unsupported = [name for name, used in (("mode='sync'", mode == "sync"), ("eval_every", eval_every is not None),
-                                               ("slowdown", bool(slowdown))) if used]  # fmt: skip
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)} is not available with backend='ray': use backend='threads'.")
+        if mode == "sync":
+            raise ValueError("mode='sync' is not available with backend='ray': use backend='threads'.")
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts={max_restarts!r} is invalid: use an int >= 0.")
         from asgd_jax.ray_backend import require_ray
@@ -255,8 +253,10 @@ def train(
             loss_fn, rule, params, data, num_workers=num_workers, steps=steps - warm_start_steps, batch_size=batch_size,
             key=key, model_state=model_state, n_sync=n_sync, push=push, local_learning_rate=local_learning_rate,
             devices_per_worker=devices_per_worker, out_dir=out_dir, checkpoint_every=checkpoint_every, resume=resume,
-            eval_fn=eval_fn, on_worker_failure=on_worker_failure, on_nonfinite=on_nonfinite, max_restarts=max_restarts,
-            ray_address=ray_address, timeout=timeout, num_examples=num_examples, shard_size=shard_size,
+            eval_fn=eval_fn, eval_every=eval_every, eval_device=eval_device, on_worker_failure=on_worker_failure,
+            on_nonfinite=on_nonfinite, max_restarts=max_restarts, ray_address=ray_address, timeout=timeout,
+            num_examples=num_examples, shard_size=shard_size, slowdown=slowdown, log_every=log_every,
+            progress=progress,
         )  # fmt: skip
     run = _Run(
         loss_fn, rule, params, data, num_workers=num_workers, steps=steps - warm_start_steps, mode=mode,
@@ -323,15 +323,14 @@ class _Run:
         self.log_every, self.progress = log_every, progress
         self.work = make_work(loss_fn, cfg, mode, num_workers, local_learning_rate)
         self.groups = [_Group(g, simulator._split_key(key)[2]) for g in groups]
-        self.metrics_file = None
-        self.metrics_lock = threading.Lock()
         if self.out_dir is not None:
             os.makedirs(self.out_dir, exist_ok=True)
+        self.metrics = _Metrics(num_workers)
         self.evaluator = None
         if eval_fn is not None:
             used = {d for g in groups[: min(len(groups), num_workers)] for d in g}
             spare = [d for d in devices if d not in used]
-            self.evaluator = _Evaluator(eval_fn, eval_device or (spare or devices)[-1], self._write_metrics)
+            self.evaluator = _Evaluator(eval_fn, eval_device or (spare or devices)[-1], self.metrics.write)
         header = {"mode": mode, "n_sync": n_sync, "batch_size": batch_size, "push": push,
                   "key": simulator._key_fingerprint(key)}  # fmt: skip
         self.store = ParameterStore(
@@ -340,9 +339,8 @@ class _Run:
             resume=resume, header=header, snapshot_every=eval_every,
             on_snapshot=None if self.evaluator is None else self.evaluator.submit,
         )  # fmt: skip
-        if self.out_dir is not None:
-            path = os.path.join(self.out_dir, METRICS)
-            self.metrics_file = open(path, "a" if self.store.resumed_from else "w")  # noqa: SIM115 (closed in go())
+        self.metrics.open(self.out_dir, append=bool(self.store.resumed_from), applied=self.store.applied,
+                          staleness_counts=self.store.staleness_counts)  # fmt: skip
         # Data positions: every push the store applied or rejected used up n_sync of that worker's minibatches.
         done = self.store.done if mode == "async" else np.full(num_workers, self.store.done[0])
         self.loaders = [
@@ -354,8 +352,7 @@ class _Run:
         self.losses: dict[int, list[float]] = {w: [] for w in range(num_workers)}
         self.failures: dict[int, str] = {}
         self.stop = threading.Event()
-        self._last = (time.perf_counter(), self.store.applied, [0] * num_workers, [0] * num_workers,
-                      dict(self.store.staleness_counts))  # fmt: skip
+        self._losses_seen = [0] * num_workers
 
     # -- set-up ------------------------------------------------------------------------------------------------------
 
@@ -384,8 +381,9 @@ class _Run:
         payload, new_ms, loss, _ = self.work(*self._place(w, params_h, ms_h, batches, version))
         payload, new_ms, loss = jax.device_get((payload, new_ms, loss))  # explicit device -> host copy
         t2 = time.perf_counter()
-        if w in self.slowdown:
+        if w in self.slowdown:  # a straggler: this worker computes `slowdown` times slower
             time.sleep((self.slowdown[w] - 1.0) * (t2 - t1))
+            t2 = time.perf_counter()
         stats.data += t1 - t0
         stats.compute += t2 - t1
         stats.pushes += 1
@@ -507,10 +505,10 @@ class _Run:
         paths = {}
         if self.out_dir is not None:
             checkpoint.save_model(os.path.join(self.out_dir, MODEL), params, model_state)
-            self._write_metrics(self._record(store.applied, seconds, final=True))
-            self.metrics_file.close()
+            self.metrics.write(self._record(seconds, final=True))
             paths = {k: os.path.join(self.out_dir, f) for k, f in
                      (("trace", "trace.jsonl"), ("checkpoint", "checkpoint.npz"), ("metrics", METRICS))}  # fmt: skip
+        self.metrics.close()
         if interrupted:
             raise KeyboardInterrupt(f"training interrupted at update {store.applied}; resume=True continues")
         if store.error is not None:
@@ -541,7 +539,7 @@ class _Run:
         deadline = start + self.timeout
         bar = tqdm(total=self.steps, initial=self.store.applied, disable=not self.progress, unit="update",
                    desc=f"{self.mode} x{self.M}", dynamic_ncols=True)  # fmt: skip
-        self._last = (start, *self._last[1:])
+        self.metrics.restart_clock(start)
         next_log = start + self.log_every
         try:
             while any(t.is_alive() for t in threads) and time.perf_counter() < deadline:
@@ -550,8 +548,8 @@ class _Run:
                 self.store.wait_closed(0.05)  # no busy polling: the workers need the GIL more than we do
                 if time.perf_counter() >= next_log:
                     next_log += self.log_every
-                    record = self._record(self.store.applied, time.perf_counter() - start)
-                    self._write_metrics(record)
+                    record = self._record(time.perf_counter() - start)
+                    self.metrics.write(record)
                     bar.update(self.store.applied - bar.n)
                     if record.get("loss") is not None:
                         bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
@@ -559,14 +557,43 @@ class _Run:
         finally:
             bar.close()
 
-    def _record(self, applied: int, elapsed: float, final: bool = False) -> dict[str, Any]:
-        """A ``metrics.jsonl`` record of what happened since the previous one."""
-        now = time.perf_counter()
-        t_prev, applied_prev, pushes_prev, losses_prev, stale_prev = self._last
-        pushes = [s.pushes for s in self.stats]
+    def _record(self, elapsed: float, final: bool = False) -> dict[str, Any]:
         seen = [len(self.losses[w]) for w in range(self.M)]
-        new_losses = [x for w in range(self.M) for x in self.losses[w][losses_prev[w] : seen[w]]]
-        counts = dict(self.store.staleness_counts)
+        new_losses = [x for w in range(self.M) for x in self.losses[w][self._losses_seen[w] : seen[w]]]
+        self._losses_seen = seen
+        return self.metrics.record(
+            applied=self.store.applied, rejected=self.store.rejected, elapsed=elapsed,
+            pushes=[s.pushes for s in self.stats], new_losses=new_losses,
+            staleness_counts=self.store.staleness_counts, final=final,
+        )  # fmt: skip
+
+
+class _Metrics:
+    """``metrics.jsonl``: a record per log period (rates since the previous record), evaluation records, a final
+    record. Used by both backends; without an output folder the records are computed and dropped."""
+
+    def __init__(self, num_workers: int):
+        self.M = num_workers
+        self._file = None
+        self._lock = threading.Lock()
+        self._last: tuple = (time.perf_counter(), 0, [0] * num_workers, {})
+
+    def open(self, out_dir: str | None, *, append: bool, applied: int, staleness_counts: dict[int, int],
+             pushes: list[int] | None = None) -> None:  # fmt: skip
+        """Starts the file (appends on a resume) and the counts the first record's rates are taken from."""
+        if out_dir is not None:
+            self._file = open(os.path.join(out_dir, METRICS), "a" if append else "w")  # noqa: SIM115 (close())
+        self._last = (time.perf_counter(), applied, list(pushes or [0] * self.M), dict(staleness_counts))
+
+    def restart_clock(self, start: float) -> None:
+        self._last = (start, *self._last[1:])
+
+    def record(self, *, applied: int, rejected: int, elapsed: float, pushes: list[int], new_losses: list[float],
+               staleness_counts: dict[int, int], final: bool = False) -> dict[str, Any]:  # fmt: skip
+        """The record of what happened since the previous one (``pushes``: per-worker totals so far)."""
+        now = time.perf_counter()
+        t_prev, applied_prev, pushes_prev, stale_prev = self._last
+        counts = dict(staleness_counts)
         dt = max(now - t_prev, 1e-9)
         record = {
             "kind": "final" if final else "train",
@@ -574,23 +601,26 @@ class _Run:
             "time": elapsed,
             "loss": float(np.mean(new_losses)) if new_losses else None,
             "applied": applied,
-            "rejected": self.store.rejected,
+            "rejected": rejected,
             "updates_per_second": (applied - applied_prev) / dt,
             "worker_pushes_per_second": [(a - b) / dt for a, b in zip(pushes, pushes_prev, strict=True)],
             "staleness_histogram": {
                 str(k): v - stale_prev.get(k, 0) for k, v in sorted(counts.items()) if v - stale_prev.get(k, 0)
             },
         }
-        self._last = (now, applied, pushes, seen, counts)
+        self._last = (now, applied, list(pushes), counts)
         return record
 
-    def _write_metrics(self, record: dict[str, Any]) -> None:
-        if self.metrics_file is None:
-            return
-        with self.metrics_lock:
-            if not self.metrics_file.closed:
-                self.metrics_file.write(json.dumps(record) + "\n")
-                self.metrics_file.flush()
+    def write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._file is not None and not self._file.closed:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
 
 
 class _Evaluator:

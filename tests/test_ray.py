@@ -79,11 +79,32 @@ def _kill_when(trace: pathlib.Path, lines: int, role: str, before: set[str]) -> 
 
 def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
     result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=40, batch_size=4, key=jax.random.key(3),
-                   backend="ray", out_dir=tmp_path, eval_fn=lambda w, _: {"loss": lsq_loss(w, DATA)})  # fmt: skip
+                   backend="ray", out_dir=tmp_path, eval_fn=lambda w, _: {"loss": lsq_loss(w, DATA)}, eval_every=10,
+                   log_every=0.05)  # fmt: skip
     assert result.pushes_applied == 40 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
     assert not result.failures and sum(w.pushes for w in result.workers) == result.pushes_sent
-    assert result.evals[-1]["update"] == 40
     np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
+    # Evaluations at every 10th update, of the server's weights right then (the simulator's after 10, 20, ... updates).
+    assert [e["update"] for e in result.evals] == [10, 20, 30, 40]
+    trace = asgd_jax.delays.Trace.load(result.trace_path, num=2)
+    for e in result.evals:
+        w = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=trace, batch_size=4,
+                              num_updates=e["update"], key=jax.random.key(3), progress=False).params  # fmt: skip
+        np.testing.assert_allclose(e["loss"], lsq_loss(w, DATA), rtol=1e-4)
+    # metrics.jsonl as the threaded backend writes it: every applied push in exactly one histogram, a final record.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in records if r["kind"] == "eval"] == [10, 20, 30, 40]
+    assert records[-1]["kind"] == "final" and records[-1]["applied"] == 40
+    assert sum(n for r in records if r["kind"] != "eval" for n in r["staleness_histogram"].values()) == 40
+    assert dict(result.staleness_counts) == {int(k): v for k, v in _histogram(records).items()}
+
+
+def _histogram(records):
+    total = {}
+    for r in records:
+        for k, n in r.get("staleness_histogram", {}).items() if r["kind"] != "eval" else ():
+            total[k] = total.get(k, 0) + n
+    return total
 
 
 def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_path):
@@ -120,6 +141,31 @@ def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
     assert result.resumed_from > 0 and result.resumed_from % 10 == 0
     assert result.pushes_applied == 600 and not result.failures
+    np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
+def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(local_ray, tmp_path, monkeypatch):
+    # Ctrl-C raises KeyboardInterrupt in the driver, which sits in ray.wait: simulated there once 50 updates are in.
+    original_wait = ray.wait
+
+    def wait(*args, **kwargs):
+        trace = tmp_path / "trace.jsonl"
+        if trace.exists() and len(trace.read_text().splitlines()) >= 50:
+            raise KeyboardInterrupt
+        return original_wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "wait", wait)
+    with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
+        train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=600, batch_size=4, key=jax.random.key(3), backend="ray",
+              out_dir=tmp_path)  # fmt: skip
+    with np.load(tmp_path / "checkpoint.npz") as f:
+        stopped_at = json.loads(bytes(f["__header__"]).decode())["applied"]
+    assert 50 <= stopped_at < 600  # the final checkpoint holds every applied update (no checkpoint_every was set)
+    assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
+    monkeypatch.setattr(ray, "wait", original_wait)
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=600, batch_size=4, key=jax.random.key(3),
+                   backend="ray", out_dir=tmp_path, resume=True)  # fmt: skip
+    assert result.resumed_from == stopped_at and result.pushes_applied == 600
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
 
 
