@@ -138,6 +138,15 @@ class WorkerActor:
                              key=c["key"], start_batch=position * c["n_sync"])  # fmt: skip
         return params, model_state, version, loader
 
+    def warm_up(self) -> None:
+        """Compiles the exchange-period function on a minibatch of this worker's, before the driver starts the clock."""
+        params, model_state, version, loader = self._sync(require_ray())
+        try:
+            batches = trainer._stack([loader.batch(0)] * self.c["n_sync"])
+            jax.block_until_ready(self.work(*self.group.place(self.w, params, model_state, batches, version)))
+        finally:
+            loader.close()
+
     def run(self) -> dict[str, Any]:
         """Pushes until the store closes; returns this worker's counts and timings."""
         ray = require_ray()
@@ -252,6 +261,11 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
         evaluator = trainer._Evaluator(eval_fn, eval_device or jax.devices("cpu")[0], metrics.write)
         evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
     status = ray.get(store.status.remote())  # also waits for the store to be up (and resumed)
+    for ref in [actor.warm_up.remote() for actor in workers.values()]:  # compiled before the clock starts
+        try:
+            ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:  # its run() fails the same way
+            log.warning("a worker's warm-up failed: %s", e)
     if out is not None:
         os.makedirs(out, exist_ok=True)
     metrics.open(out, append=bool(status["resumed_from"]), applied=status["applied"], pushes=status["done"],
