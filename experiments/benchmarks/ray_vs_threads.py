@@ -5,7 +5,7 @@ DC-ASGD-a). Both backends run 2 workers (this machine has 2 cores) for the same 
 warm-up; the configurations alternate over the repeats and medians are reported. Ray runs a local instance
 (``ray.init(num_cpus=2)``): worker actors are processes, pushes and weights travel through Ray's object store.
 
-    .venv/bin/python experiments/benchmarks/ray_vs_threads.py            # ~3 minutes on 2 cores
+    .venv/bin/python experiments/benchmarks/ray_vs_threads.py            # ~2.5 minutes on 2 cores
     .venv/bin/python experiments/benchmarks/ray_vs_threads.py --quick
 """
 
