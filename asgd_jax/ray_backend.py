@@ -14,6 +14,9 @@ simulator. What Ray adds is processes and machines:
   run goes on (``on_worker_failure="continue"``) or stops (``"stop"``).
 * With ``out_dir`` the store actor checkpoints every ``checkpoint_every`` updates and Ray restarts it if it dies: it
   resumes from its last checkpoint (the trace is cut back to it) and the workers re-sync from it.
+* ``mode="sync"`` (SSGD): the store actor collects each round's payloads from all workers and applies their mean once,
+  as the threaded trainer does; a restarted worker re-syncs to the store's version and rejoins the round it left (it
+  recomputes the same minibatches), a worker lost for good stops the run.
 * The driver polls the store for its counts, the workers' losses and snapshots of the weights after every
   ``eval_every``-th update: it draws the progress bar, writes ``metrics.jsonl`` like the threaded trainer and evaluates
   the snapshots in a thread on ``eval_device`` (default: its CPU, so the workers keep the GPUs). Ctrl-C closes the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -59,20 +63,67 @@ class StoreActor:
     It also keeps what the driver polls for its progress bar, ``metrics.jsonl`` and evaluations: the workers' losses
     since the last poll and host snapshots of the weights after every ``snapshot_every``-th update."""
 
-    def __init__(self, rule, params, num_workers: int, kwargs: dict[str, Any]):
+    def __init__(self, rule, params, num_workers: int, kwargs: dict[str, Any], mode: str = "async"):
         self._snapshots: list[tuple] = []
         self._losses: list[float] = []
         self.store = ParameterStore(rule, params, num_workers, on_snapshot=self._snapshot, **kwargs)
         self.store.warm_up()
+        self.mode, self.M = mode, num_workers
+        # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
+        self._round: dict[int, tuple] = {}
+        self._round_no, self._answer, self._aborted = 0, None, None
+        self._cv = threading.Condition()
 
     def _snapshot(self, version: int, params, model_state) -> None:
         self._snapshots.append((version, params, model_state))  # host copies already (the applier hands them out)
 
     def sync(self, worker: int):
-        """``worker``'s backup (weights it last pulled), model state, version and data position (in pushes)."""
-        params, model_state, version = self.store.backup(worker)
+        """``worker``'s backup (weights it last pulled), model state, version and data position (in pushes). In SSGD
+        every round is pushed as worker 0, so every worker starts from worker 0's backup and position."""
+        source = 0 if self.mode == "sync" else worker
+        params, model_state, version = self.store.backup(source)
         host = jax.device_get((params, model_state))
-        return (*host, version, int(self.store.done[worker]))
+        return (*host, version, int(self.store.done[source]))
+
+    def push_sync(self, worker: int, payload, version: int, model_state, loss: float | None = None):
+        """SSGD: waits for every worker's payload of this round, applies their mean once (as worker 0) and gives all of
+        them the same answer: ``("ok", weights)``, ``("resync", why)`` (computed on other weights than the store's,
+        e.g. after a store restart) or ``("closed", why)``."""
+        with self._cv:
+            if self._aborted is not None:
+                return "closed", self._aborted
+            if version != self.store.version:
+                return "resync", f"computed at version {version}, the store is at {self.store.version}"
+            if loss is not None:
+                self._losses.append(loss)
+            self._round[worker] = (payload, model_state)
+            number = self._round_no
+            if len(self._round) == self.M:  # the last one in applies the round
+                payloads = [self._round[w] for w in range(self.M)]  # worker order: the threaded trainer's sum
+                mean = trainer._mean_tree([p for p, _ in payloads])
+                ms = trainer._mean_tree([m for _, m in payloads]) if payloads[0][1] is not None else None
+                try:
+                    self._answer = "ok", self.store.push(0, mean, version, ms).result()
+                    if self.store.closed:  # that was the last round: nobody computes another one
+                        self._answer = "closed", "the store reached its number of updates"
+                except StoreClosed as e:
+                    self._answer = "closed", str(e)
+                except BadPush as e:  # a non-finite mean: skipped; the next round starts from the same weights
+                    log.warning("sync step: %s", e)
+                    params, model_state, at = self.store.backup(0)
+                    self._answer = "ok", (*jax.device_get((params, model_state)), at)
+                self._round, self._round_no = {}, number + 1
+                self._cv.notify_all()
+            else:
+                self._cv.wait_for(lambda: self._round_no != number or self._aborted is not None)
+                if self._round_no == number:
+                    return "closed", self._aborted
+            return self._answer
+
+    def _abort_rounds(self, why: str) -> None:
+        with self._cv:
+            self._aborted = why
+            self._cv.notify_all()
 
     def push(self, worker: int, payload, version: int, model_state, loss: float | None = None):
         """Applies a push; returns ``("ok", (params, model_state, version))``, ``("rejected", why)`` or
@@ -102,6 +153,7 @@ class StoreActor:
 
     def close(self):
         """Closes the store (final checkpoint); returns :meth:`progress` and the final weights."""
+        self._abort_rounds("the store was closed")
         self.store.close()
         final = self.store.state()
         return self.progress(), final.params, final.model_state
@@ -114,7 +166,8 @@ class WorkerActor:
         self.w, self.store, self.data, self.c = worker, store, data, config
         self.stateful = config["stateful"]
         self.slowdown = config["slowdown"].get(worker, 1.0)
-        self.work = trainer.make_work(loss_fn, config["cfg"], "async", config["num_workers"], config["local_lr"])
+        self.mode = config["mode"]
+        self.work = trainer.make_work(loss_fn, config["cfg"], self.mode, config["num_workers"], config["local_lr"])
         devices = jax.devices()[: config["devices_per_worker"]]
         if len(devices) < config["devices_per_worker"]:
             raise ValueError(
@@ -137,6 +190,9 @@ class WorkerActor:
         loader = ShardLoader(self.data, worker=self.w, num_workers=c["num_workers"], batch_size=c["batch_size"],
                              key=c["key"], start_batch=position * c["n_sync"])  # fmt: skip
         return params, model_state, version, loader
+
+    def ping(self) -> int:
+        return self.w
 
     def warm_up(self) -> None:
         """Compiles the exchange-period function on a minibatch of this worker's, before the driver starts the clock."""
@@ -163,12 +219,15 @@ class WorkerActor:
                 if self.slowdown > 1:  # a straggler: this worker computes `slowdown` times slower
                     time.sleep((self.slowdown - 1.0) * (t1 - t0))
                     t1 = time.perf_counter()
+                exchange = self.store.push_sync if self.mode == "sync" else self.store.push
                 try:
                     status, result = ray.get(
-                        self.store.push.remote(self.w, payload, version, new_ms if self.stateful else None, float(loss))
+                        exchange.remote(self.w, payload, version, new_ms if self.stateful else None, float(loss))
                     )
                 except _actor_errors(ray):  # the store died: Ray restarts it from its last checkpoint; re-sync
                     log.warning("worker %d: the store restarted; re-syncing", self.w)
+                    status, result = "resync", None
+                if status == "resync":  # SSGD: this round was computed on other weights than the store's
                     loader.close()
                     params, model_state, version, loader = self._sync(ray)
                     continue
@@ -189,6 +248,21 @@ class WorkerActor:
         return stats
 
 
+def _alive(ray, actor, patience: float = 120.0) -> bool:
+    """Waits until Ray has restarted ``actor`` (a call to a restarting actor fails rather than waits); False if it is
+    gone for good or not back within ``patience`` seconds."""
+    deadline = time.perf_counter() + patience
+    while time.perf_counter() < deadline:
+        try:
+            ray.get(actor.ping.remote())
+            return True
+        except _actor_errors(ray)[1:]:  # ActorUnavailableError: still restarting
+            time.sleep(0.2)
+        except ray.exceptions.RayActorError:  # dead (no restarts left)
+            return False
+    return False
+
+
 def _actor_errors(ray) -> tuple[type[BaseException], ...]:
     errors = [ray.exceptions.RayActorError]
     if hasattr(ray.exceptions, "ActorUnavailableError"):
@@ -196,7 +270,7 @@ def _actor_errors(ray) -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, key, model_state, n_sync, push,
+def train_ray(loss_fn, rule, params, data, *, num_workers, steps, mode, batch_size, key, model_state, n_sync, push,
               local_learning_rate, devices_per_worker, out_dir, checkpoint_every, resume, eval_fn, eval_every,
               eval_device, on_worker_failure, on_nonfinite, max_restarts, ray_address, timeout, num_examples,
               shard_size, slowdown, log_every, progress):  # fmt: skip
@@ -209,7 +283,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
     if out is not None and os.path.exists(os.path.join(out, "checkpoint.npz")) and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass resume=True (--resume) to continue that run, or "
                          "choose another output folder.")  # fmt: skip
-    header = {"mode": "async", "n_sync": n_sync, "batch_size": batch_size, "push": push,
+    header = {"mode": mode, "n_sync": n_sync, "batch_size": batch_size, "push": push,
               "key": simulator._key_fingerprint(key)}  # fmt: skip
     here = ray.get_runtime_context().get_node_id()
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
@@ -239,14 +313,15 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
                 "header": header,
                 "snapshot_every": eval_every,
             },
+            mode,
         )
     )
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     resources = {"num_gpus": devices_per_worker} if gpus else {"num_cpus": 1}
-    config = {"cfg": simulator._Config("async", n_sync, push, batch_size, num_examples, shard_size, stateful, 1),
+    config = {"cfg": simulator._Config(mode, n_sync, push, batch_size, num_examples, shard_size, stateful, 1),
               "num_workers": num_workers, "local_lr": local_learning_rate, "devices_per_worker": devices_per_worker,
               "key": key, "batch_size": batch_size, "n_sync": n_sync, "stateful": stateful,
-              "slowdown": slowdown}  # fmt: skip
+              "slowdown": slowdown, "mode": mode}  # fmt: skip
     data_ref = ray.put(data)
     Worker = ray.remote(WorkerActor)
     workers = {
@@ -279,7 +354,7 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
     from tqdm.auto import tqdm
 
     bar = tqdm(total=steps, initial=status["applied"], disable=not progress, unit="update",
-               desc=f"async x{num_workers} (ray)", dynamic_ncols=True)  # fmt: skip
+               desc=f"{mode} x{num_workers} (ray)", dynamic_ncols=True)  # fmt: skip
     losses: list[float] = []
     interrupted = False
 
@@ -314,12 +389,12 @@ def train_ray(loss_fn, rule, params, data, *, num_workers, steps, batch_size, ke
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                     failures[w] = f"{type(e).__name__}: {e}"[:500]
                     log.error("worker %d failed: %s", w, failures[w])
-                    if on_worker_failure == "stop":
-                        ray.get(store.close.remote())
-                    elif restarts[w] < max_restarts:  # Ray restarts the actor; it re-syncs from the store
-                        restarts[w] += 1
-                        log.warning("worker %d restarted (%d of %d)", w, restarts[w], max_restarts)
+                    if on_worker_failure != "stop" and restarts[w] < max_restarts and _alive(ray, workers[w]):
+                        restarts[w] += 1  # Ray restarted the actor; it re-syncs from the store (in SSGD it rejoins
+                        log.warning("worker %d restarted (%d of %d)", w, restarts[w], max_restarts)  # its round)
                         running[workers[w].run.remote()] = w
+                    elif on_worker_failure == "stop" or mode == "sync":  # SSGD cannot go on without a worker
+                        ray.get(store.close.remote())
             try:
                 take(ray.get(store.progress.remote()))
             except _actor_errors(ray):  # the store is restarting from its checkpoint: poll again later

@@ -178,8 +178,8 @@ def train(
         study stragglers.
       timeout: seconds after which the run is stopped regardless (no deadlock, ever).
       backend: ``"threads"`` (default: this machine's devices) or ``"ray"`` (a store actor and worker actors on a Ray
-        cluster, :mod:`asgd_jax.ray_backend`; no ``mode="sync"`` there; evaluations run in the driver, by default
-        on its CPU so that the workers keep the GPUs).
+        cluster, :mod:`asgd_jax.ray_backend`; evaluations run in the driver, by default on its CPU so that the
+        workers keep the GPUs).
       ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made here); default: a local instance.
       max_restarts: Ray backend: how often Ray restarts a dead worker actor (it resumes from the store) before it is
         dropped.
@@ -207,8 +207,6 @@ def train(
     if backend not in ("threads", "ray"):
         raise ValueError(f"backend={backend!r} is invalid: use 'threads' or 'ray'.")
     if backend == "ray":
-        if mode == "sync":
-            raise ValueError("mode='sync' is not available with backend='ray': use backend='threads'.")
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts={max_restarts!r} is invalid: use an int >= 0.")
         from asgd_jax.ray_backend import require_ray
@@ -250,7 +248,8 @@ def train(
         from asgd_jax.ray_backend import train_ray
 
         return train_ray(
-            loss_fn, rule, params, data, num_workers=num_workers, steps=steps - warm_start_steps, batch_size=batch_size,
+            loss_fn, rule, params, data, num_workers=num_workers, steps=steps - warm_start_steps, mode=mode,
+            batch_size=batch_size,
             key=key, model_state=model_state, n_sync=n_sync, push=push, local_learning_rate=local_learning_rate,
             devices_per_worker=devices_per_worker, out_dir=out_dir, checkpoint_every=checkpoint_every, resume=resume,
             eval_fn=eval_fn, eval_every=eval_every, eval_device=eval_device, on_worker_failure=on_worker_failure,

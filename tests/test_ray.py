@@ -56,12 +56,14 @@ def _train_in_thread(**kwargs):
     return thread, box
 
 
-def _kill_when(trace: pathlib.Path, lines: int, role: str, before: set[str]) -> int:
+def _kill_when(trace: pathlib.Path, lines: int, role: str, before: set[str], pusher: int | None = None) -> int:
     """Kills this run's ``role`` actor once the trace has ``lines`` lines and, for a worker, one push of its own.
 
     A worker must have pushed: one killed while still in its constructor is restarted by Ray before its ``run`` task is
-    sent, so nothing fails and nothing is reported (what CI's faster machine once hit with a bare line count)."""
+    sent, so nothing fails and nothing is reported (what CI's faster machine once hit with a bare line count). In sync
+    mode every update is recorded as worker 0's (``pusher=0``): any update means every worker has pushed."""
     worker = int(role.rsplit("-", 1)[1]) if role.startswith("worker-") else None
+    worker = worker if pusher is None else pusher
     deadline = time.time() + 120
     while time.time() < deadline:
         complete = trace.read_text().split("\n")[:-1] if trace.exists() else []  # the last line may be half-written
@@ -105,6 +107,30 @@ def _histogram(records):
         for k, n in r.get("staleness_histogram", {}).items() if r["kind"] != "eval" else ():
             total[k] = total.get(k, 0) + n
     return total
+
+
+def test_sync_mode_on_ray_is_the_simulators_ssgd(local_ray):
+    key = jax.random.key(3)
+    result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=12, batch_size=4, key=key, mode="sync",
+                   backend="ray")  # fmt: skip
+    assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
+    assert [w.pushes for w in result.workers] == [12, 12]
+    sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(2),
+                            mode="sync", batch_size=4, num_updates=12, key=key, progress=False)  # fmt: skip
+    np.testing.assert_allclose(sim.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+def test_in_sync_mode_a_restarted_worker_rejoins_its_round_and_the_result_is_still_ssgd(local_ray, tmp_path):
+    key = jax.random.key(3)
+    thread, box = _train_in_thread(steps=300, out_dir=tmp_path, max_restarts=1, mode="sync")
+    killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"], pusher=0)
+    assert killed_at < 250, "the kill came too late to test anything: make the run longer"
+    thread.join(timeout=300)
+    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    assert list(result.failures) == [1] and result.pushes_applied == 300
+    sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(2),
+                            mode="sync", batch_size=4, num_updates=300, key=key, progress=False)  # fmt: skip
+    np.testing.assert_allclose(sim.params, result.params, rtol=1e-4, atol=1e-5)
 
 
 def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_path):
@@ -173,8 +199,6 @@ def test_without_ray_the_backend_fails_at_once_with_the_install_command(monkeypa
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'asgd_jax\[ray\]'"):
         train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=5, backend="ray")
-    with pytest.raises(ValueError, match="mode='sync' is not available with backend='ray'"):
-        train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=5, backend="ray", mode="sync")
 
 
 def test_cli_train_on_ray(local_ray, tmp_path, capsys):
