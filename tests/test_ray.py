@@ -160,6 +160,20 @@ def test_a_killed_worker_actor_without_restarts_is_dropped_and_the_others_finish
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
 
 
+def test_with_on_worker_failure_stop_a_killed_worker_actor_stops_the_run_cleanly(local_ray, tmp_path):
+    thread, box = _train_in_thread(steps=600, out_dir=tmp_path, on_worker_failure="stop")
+    killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
+    assert killed_at < 500, "the kill came too late to test anything: make the run longer"
+    thread.join(timeout=300)
+    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    assert list(result.failures) == [1] and result.pushes_applied < 600
+    assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
+    # Stopped cleanly: the final checkpoint holds every applied update, and the trace replays to the weights.
+    with np.load(tmp_path / "checkpoint.npz") as f:
+        assert json.loads(bytes(f["__header__"]).decode())["applied"] == result.pushes_applied
+    np.testing.assert_allclose(replay(result.trace_path, result.pushes_applied), result.params, rtol=1e-4, atol=1e-5)
+
+
 def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, checkpoint_every=10)
     _kill_when(tmp_path / "trace.jsonl", 100, "store", box["before"])
