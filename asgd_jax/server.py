@@ -86,6 +86,11 @@ def snapshot(state: ServerState, slot: jax.Array) -> tuple[Any, Any]:
     return jax.tree.map(take, state.backup_params), jax.tree.map(take, state.backup_model_state)
 
 
+def snapshot_version(state: ServerState, slot: jax.Array) -> jax.Array:
+    """The version ``slot``'s snapshot was pulled at."""
+    return _get(state.backup_version, slot)
+
+
 def pull(state: ServerState, slot: jax.Array) -> ServerState:
     """Records the current weights, model state and version as ``slot``'s backup (a worker's pull)."""
     put = lambda stack, x: _put(stack, slot, x)

@@ -7,8 +7,11 @@ only depends on that snapshot and its next minibatch, so it is computed when it 
 in chunks: between chunks it evaluates, updates the progress bar and writes a checkpoint. :func:`sweep` vmaps the same
 program over keys and hyperparameters, so a grid of runs compiles once.
 
-Randomness: the run's key is split into data, delay and model keys; update t uses ``fold_in(key, t)``, so the same key
-gives the same bits, and a run resumed from a checkpoint continues exactly where it stopped.
+Randomness: the run's key is split into data, delay and model keys; update t draws its delay with
+``fold_in(delay_key, t)``. The model's randomness (dropout, augmentation) of the worker w that pushes at t uses
+``fold_in(fold_in(model_key, v), w)``, v the version w pulled (asynchronous), or splits ``fold_in(model_key, t)`` over
+the workers (SSGD): what the trainer's workers know too, so its traces replay with dropout. The same key gives the same
+bits, and a run resumed from a checkpoint continues exactly where it stopped.
 
 Data: worker (shard) s draws minibatches from its own shard. A shard's j-th batch belongs to its epoch ``j // K``; in
 epoch e the shards are consecutive slices of one keyed random permutation of the data (:mod:`asgd_jax.order`), so in
@@ -279,7 +282,7 @@ def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
     )
 
 
-def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state: SimState, step_keys):
+def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state: SimState, step_keys, model_key):
     """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and ``fold_in(model_key, t)`` for this t."""
     k_delay, k_model = step_keys
     t = state.server.version
@@ -288,6 +291,10 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state
     if cfg.mode == "async":
         delay_state, event = delays.next(state.delay, t, k_delay, cfg.n_sync)
         params0, model_state0 = server.snapshot(state.server, event.push)
+        # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
+        # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
+        pulled = server.snapshot_version(state.server, event.push)
+        k_model = jax.random.fold_in(jax.random.fold_in(model_key, pulled), event.push)
         ds = state.data
         batches = []
         for _ in range(cfg.n_sync):
@@ -350,7 +357,7 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int)
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         step_keys = (fold(delay_key, ts), fold(model_key, ts))
-        step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k)
+        step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k, model_key)
         state, metrics = jax.lax.scan(step, state, step_keys)
         return state, metrics, _evaluate(eval_fn, state)
 

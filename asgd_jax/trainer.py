@@ -18,8 +18,9 @@ Phases of :func:`train`:
    writes a final checkpoint and re-raises. Nothing waits forever.
 
 The store's ``trace.jsonl`` replays in the simulator: ``simulate(..., delays=Trace.load(path), key=<same key>)``
-reproduces the final weights to float tolerance (exactly the same minibatches; models without dropout), also across a
-kill and ``resume=True``.
+reproduces the final weights to float tolerance (exactly the same minibatches and dropout masks: a worker keys its
+model's randomness with the version it pulled and its id, as the simulator does), also across a kill and
+``resume=True``.
 """
 
 from __future__ import annotations
@@ -274,9 +275,10 @@ def make_work(loss_fn, cfg, mode: str, num_workers: int, local_learning_rate: fl
     local_lr = np.float32(0.0 if local_learning_rate is None else local_learning_rate)  # a compile-time constant
 
     def work(p, ms, b, k, v, w):  # the update's model key is made on the device from explicit inputs
+        # The simulator's keys: SSGD splits the update's key over the workers; an asynchronous worker folds in the
+        # version it pulled, then its id.
         k = jax.random.fold_in(k, v)
-        if mode == "sync":  # the simulator's SSGD: one key per worker, split from the update's key
-            k = jax.random.split(k, num_workers)[w]
+        k = jax.random.split(k, num_workers)[w] if mode == "sync" else jax.random.fold_in(k, w)
         return simulator._work(grad_fn, cfg, p, ms, b, k, local_lr)
 
     return jax.jit(work)

@@ -129,6 +129,26 @@ def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
     assert result.seconds < 60
 
 
+def dropout_loss(w, model_state, batch, key):
+    """Least squares through a dropout layer (rate 0.5, inverted scaling): the model's randomness is the key's."""
+    keep = jax.random.bernoulli(key, 0.5, w.shape)
+    return 0.5 * jnp.mean((batch["x"] @ jnp.where(keep, 2.0 * w, 0.0) - batch["y"]) ** 2), model_state
+
+
+@pytest.mark.parametrize("n_sync", [1, 2])
+def test_a_dropout_model_replays_exactly_too(tmp_path, n_sync):
+    # Workers key their dropout with what they know (the version they pulled, their id), and so does the simulator:
+    # the same masks in the replay, not merely similar ones.
+    key, rule = jax.random.key(2), lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+    sync = dict(n_sync=n_sync, push="accumulate" if n_sync > 1 else "gradients")
+    result = train(dropout_loss, rule(), W0, DATA, num_workers=3, steps=30, batch_size=4, key=key, model_state={},
+                   devices=jax.devices()[:3], out_dir=tmp_path, **sync)  # fmt: skip
+    trace = asgd_jax.delays.Trace.load(result.trace_path, num=3)
+    replay = asgd_jax.simulate(dropout_loss, rule(), jnp.asarray(W0), DATA, delays=trace, batch_size=4,
+                               num_updates=30, key=key, model_state={}, progress=False, **sync)  # fmt: skip
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_trainer_arguments_raise_before_anything_starts():
     with pytest.raises(ValueError, match="on_worker_failure='retry'"):
         train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=5, on_worker_failure="retry")
