@@ -190,12 +190,12 @@ def scale_by_delay_compensation(
 
         if per_worker:
             take = lambda ms: jax.lax.dynamic_index_in_dim(ms, worker, axis=0, keepdims=False)
-            ms_w = jax.tree.map(lambda ms, g: new_mean_square(take(ms), g), state.mean_square, updates)
-            mean_square = jax.tree.map(
-                lambda ms, m: jax.lax.dynamic_update_index_in_dim(ms, m.astype(ms.dtype), worker, axis=0),
-                state.mean_square,
-                ms_w,
-            )
+            put = lambda ms, m: jax.lax.dynamic_update_index_in_dim(ms, m.astype(ms.dtype), worker, axis=0)
+            # Write the worker's new MeanSquare, then read it back for lambda: everything after the write reads the new
+            # stack, so XLA updates it in place (read from the old stack, lambda's use raced the write and XLA copied
+            # the whole M x params stack on every push: 2 x 16 MB for 1.1M parameters and M = 4).
+            mean_square = jax.tree.map(lambda ms, g: put(ms, new_mean_square(take(ms), g)), state.mean_square, updates)
+            ms_w = jax.tree.map(take, mean_square)
         else:
             ms_w = jax.tree.map(new_mean_square, state.mean_square, updates)
             mean_square = jax.tree.map(lambda ms, m: m.astype(ms.dtype), state.mean_square, ms_w)

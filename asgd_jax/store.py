@@ -260,8 +260,9 @@ class ParameterStore:
         if jax.tree.structure(payload) != self._structure:
             return f"tree structure {jax.tree.structure(payload)} differs from the model's {self._structure}"
         for i, (x, (shape, dtype)) in enumerate(zip(jax.tree.leaves(payload), self._leaves, strict=True)):
-            if np.shape(x) != shape or np.result_type(x) != dtype:
-                return f"leaf {i} is {np.result_type(x)}{list(np.shape(x))}, the model's is {dtype}{list(shape)}"
+            x_dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)  # a jax.Array: its own dtype, no copy
+            if np.shape(x) != shape or x_dtype != dtype:
+                return f"leaf {i} is {x_dtype}{list(np.shape(x))}, the model's is {dtype}{list(shape)}"
         return None
 
     def _snapshot(self) -> tuple:
@@ -315,11 +316,11 @@ class ParameterStore:
                 future.set_exception(StoreClosed(self._closed_reason()))
                 continue
             ms = model_state if self._stateful else None
-            payload, ms = jax.device_put((payload, ms), self.device)
+            finite = _all_finite((payload, ms))  # on the host, before anything reaches the server's state
+            if finite:
+                payload, ms = jax.device_put((payload, ms), self.device)
             with self._lock:
-                # One fused program checks the payload and, only if it is finite, applies it (in place).
-                self._state, staleness, finite = self._exchange(self._state, self._id(worker), payload, ms)
-                if not bool(jax.device_get(finite)):
+                if not finite:
                     self.rejected += 1
                     self.done[worker] += 1
                     message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
@@ -328,6 +329,7 @@ class ParameterStore:
                         self._closed.set()
                     future.set_exception(BadPush(message))
                     continue
+                self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
                 self.applied += 1
                 self.done[worker] += 1
                 staleness = int(jax.device_get(staleness))
@@ -400,13 +402,24 @@ def _open_trace(path: str, keep: int):
 
 
 def _push_then_pull(rule, state: server.ServerState, worker, payload, model_state):
-    """The store's exchange: if the payload is finite, apply the push, then record that worker's pull, atomically (the
-    simulator's order); a non-finite payload leaves the state as it was. Returns ``(state, staleness, finite)``."""
-    leaves = jax.tree.leaves((payload, model_state))
-    finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]))
+    """The store's exchange: apply the push, then record that worker's pull, atomically (the simulator's order).
+    Returns ``(state, staleness)``."""
+    state, staleness = server.push(rule, state, worker, payload, model_state)
+    return server.pull(state, worker), staleness
 
-    def apply(state):
-        state, staleness = server.push(rule, state, worker, payload, model_state)
-        return server.pull(state, worker), staleness
 
-    return (*jax.lax.cond(finite, apply, lambda s: (s, jnp.zeros((), jnp.int32)), state), finite)
+def _all_finite(tree) -> bool:
+    """Whether every float of a host pytree is finite. NumPy on the payload as it arrives (0.2 ms for 1.1M floats):
+    checking inside the exchange under ``lax.cond`` made XLA copy the per-worker stacks on every push."""
+    for x in jax.tree.leaves(tree):
+        x = x if isinstance(x, jax.Array) else np.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            continue
+        # A leaf already on a device is checked there (one explicit scalar copy back).
+        on_device = isinstance(x, jax.Array)
+        if not (jax.device_get(_device_all_finite(x)) if on_device else np.isfinite(x).all()):
+            return False
+    return True
+
+
+_device_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())

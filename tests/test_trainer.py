@@ -76,10 +76,12 @@ def test_store_rejects_bad_pushes_and_keeps_the_model():
             store.push(0, {"w": np.ones(3, np.float64)}, version)
         with pytest.raises(BadPush, match="NaN or Inf"):
             store.push(1, {"w": np.array([1.0, np.nan, 0.0], np.float32)}, version).result(timeout=10)
+        with pytest.raises(BadPush, match="NaN or Inf"):  # a payload already on a device is checked there
+            store.push(1, {"w": jnp.array([0.0, 0.0, jnp.inf])}, version).result(timeout=10)
         np.testing.assert_array_equal(store.state().params["w"], np.zeros(3))  # untouched
         params, _, version = store.push(1, {"w": np.ones(3, np.float32)}, version).result(timeout=10)
         np.testing.assert_allclose(params["w"], -0.1 * np.ones(3))
-        assert (store.received, store.applied, store.rejected, store.late) == (5, 1, 4, 0)
+        assert (store.received, store.applied, store.rejected, store.late) == (6, 1, 5, 0)
         with pytest.raises(ValueError, match="worker=2"):
             store.pull(2)
         # DC-ASGD's backups are the pulled weights: worker 1 pulled (by pushing) the current ones, worker 0 still
@@ -90,6 +92,20 @@ def test_store_rejects_bad_pushes_and_keeps_the_model():
             assert backup_version == at
     finally:
         store.close()
+
+
+def test_the_exchange_updates_the_per_worker_stacks_in_place():
+    # DC-ASGD-a with a MeanSquare per worker keeps two M x params stacks (MeanSquare and the backups). The store's
+    # exchange must update one slot of each in place: a copy of a stack per push cost 2 x 16 MB at 1.1M parameters.
+    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=4)
+    store = ParameterStore(rule, {"w": np.zeros((64, 32), np.float32)}, 4)
+    try:
+        payload = jax.device_put({"w": np.ones((64, 32), np.float32)}, store.device)
+        hlo = store._exchange.lower(store._state, store._id(1), payload, None).compile().as_text()
+    finally:
+        store.close()
+    stack_copies = [line for line in hlo.splitlines() if "f32[4,64,32]" in line and " copy(" in line]
+    assert not stack_copies, stack_copies
 
 
 def test_store_stop_policy_and_budget():
