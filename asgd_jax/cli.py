@@ -218,19 +218,32 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
     return values
 
 
+def _keep_the_driver_on_the_cpu() -> None:
+    """Ray: the driver (data, initial weights, evaluation) stays on the CPU. The worker actors own the GPUs, and a
+    driver on GPU 0 would take most of its memory (JAX preallocates) from the worker placed there. Only possible before
+    JAX starts its backends (it has not, in the CLI); a JAX without this private probe just keeps its default."""
+    import jax
+
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        return
+    if not started:
+        jax.config.update("jax_platforms", "cpu")
+
+
 def _train(args: argparse.Namespace) -> int:
     import json
     import os
 
     import jax
-    from jax._src import xla_bridge
 
     from asgd_jax import checkpoint, data, models, trainer
 
-    if args.backend == "ray" and not xla_bridge.backends_are_initialized():
-        # The driver (data, initial weights, evaluation) stays on the CPU: the worker actors own the GPUs, and a driver
-        # on GPU 0 would take most of its memory (JAX preallocates) from the worker placed there.
-        jax.config.update("jax_platforms", "cpu")
+    if args.backend == "ray":
+        _keep_the_driver_on_the_cpu()
     slowdown = _parse_slowdown(args.slowdown)
     ds = data.load(args.dataset, data_dir=args.data_dir)
     model = models.get(args.model, num_classes=ds.num_classes, input_shape=ds.input_shape)

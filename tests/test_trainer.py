@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
@@ -227,3 +228,17 @@ def test_non_finite_pushes_are_rejected_and_training_goes_on():
     assert result.pushes_applied == 40 and result.pushes_rejected - result.pushes_late >= 1  # the NaN pushes
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
     assert np.isfinite(result.params).all() and not result.failures
+
+
+def test_the_cli_keeps_a_ray_driver_on_the_cpu_only_before_jax_has_started():
+    import subprocess
+    import sys
+
+    code = (
+        "import jax; from asgd_jax.cli import _keep_the_driver_on_the_cpu as keep; {before}keep(); "
+        "print(jax.config.jax_platforms)"
+    )
+    run = lambda before: subprocess.run([sys.executable, "-c", code.format(before=before)], capture_output=True,
+                                        text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": ""})  # fmt: skip
+    assert run("").stdout.split() == ["cpu"]  # a fresh driver: its JAX is kept off the GPUs the workers own
+    assert run("jax.devices(); ").stdout.split() != ["cpu"]  # too late once JAX started: left as it was
