@@ -40,7 +40,7 @@ from asgd_jax import metrics as metrics_lib
 from asgd_jax import models as models_lib
 from asgd_jax.simulator import grid, simulate, sweep
 
-__all__ = ["Arm", "Settings", "Study", "Variant", "available", "load", "report", "run"]
+__all__ = ["DCASGD_CIFAR10", "Arm", "Settings", "Study", "Variant", "available", "load", "report", "run"]
 
 FAMILIES = ("dc", "staleness_aware", "delay_adaptive")
 
@@ -149,6 +149,11 @@ class Settings:
     warm_epochs: float = 2.0
     target_error: float = 0.5
     init_seed: int = 0
+
+
+#: The DC-ASGD paper's CIFAR-10 setup (ResNet-20, 160 epochs, batch 128, step size 0.5): the full form of its studies.
+DCASGD_CIFAR10 = Settings(dataset="tfds:cifar10", model="resnet20", seeds=(0, 1, 2), epochs=160.0, batch_size=128,
+                          learning_rate=0.5, evals=20, window=400)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

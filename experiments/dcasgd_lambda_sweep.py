@@ -7,7 +7,7 @@ Expected:  lambda = 0 is ASGD; a moderate lambda (the paper: 0.5-2 for -a) helps
            and hurts, too small makes the correction vanish.
 """
 
-from asgd_jax.studies import Arm, Settings, Study, Variant
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
 
 LAMBDA_A = (0.0, 0.5, 1.0, 2.0, 4.0)
 LAMBDA_C = (0.0, 0.01, 0.04, 0.1, 0.4)
@@ -24,16 +24,7 @@ STUDY = Study(
     title="DC-ASGD: final test error vs lambda_0 at M = 8",
     reproduces=__doc__,
     quick=Settings(seeds=(0, 1, 2), epochs=15.0),
-    full=Settings(
-        dataset="tfds:cifar10",
-        model="resnet20",
-        seeds=(0, 1, 2),
-        epochs=160.0,
-        batch_size=128,
-        learning_rate=0.5,
-        evals=20,
-        window=400,
-    ),
+    full=DCASGD_CIFAR10,
     arms=arms,
     rows="lambda",
     columns="label",

@@ -7,7 +7,7 @@ Expected:  staleness costs ASGD accuracy as M grows; DC-ASGD-a recovers most of 
            at M = 8, sequential SGD 8.65%); SSGD pays for its M-times-larger effective batch at a fixed epoch budget.
 """
 
-from asgd_jax.studies import Arm, Settings, Study, Variant
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
 
 ASYNC = (
     Variant("ASGD"),
@@ -29,16 +29,7 @@ STUDY = Study(
     title="DC-ASGD Table 1: final test error vs workers",
     reproduces=__doc__,
     quick=Settings(seeds=(0, 1, 2), epochs=15.0),
-    full=Settings(
-        dataset="tfds:cifar10",
-        model="resnet20",
-        seeds=(0, 1, 2),
-        epochs=160.0,
-        batch_size=128,
-        learning_rate=0.5,
-        evals=20,
-        window=400,
-    ),
+    full=DCASGD_CIFAR10,
     arms=arms,
     rows="M",
     columns="label",
