@@ -283,7 +283,8 @@ def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
 
 
 def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state: SimState, step_keys, model_key):
-    """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and ``fold_in(model_key, t)`` for this t."""
+    """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and, for SSGD, ``fold_in(model_key, t)`` for this
+    t (``None`` asynchronously: the pushing worker's key comes from ``model_key``, its pulled version and its id)."""
     k_delay, k_model = step_keys
     t = state.server.version
     push_state = lambda ms: ms if cfg.stateful else None
@@ -356,7 +357,7 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int)
         # loop of its own); identical to folding t in step by step.
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-        step_keys = (fold(delay_key, ts), fold(model_key, ts))
+        step_keys = (fold(delay_key, ts), fold(model_key, ts) if cfg.mode == "sync" else None)
         step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k, model_key)
         state, metrics = jax.lax.scan(step, state, step_keys)
         return state, metrics, _evaluate(eval_fn, state)
