@@ -256,7 +256,7 @@ def _alive(ray, actor, patience: float = 120.0) -> bool:
         try:
             ray.get(actor.ping.remote())
             return True
-        except _actor_errors(ray)[1:]:  # ActorUnavailableError: still restarting
+        except getattr(ray.exceptions, "ActorUnavailableError", ()):  # still restarting
             time.sleep(0.2)
         except ray.exceptions.RayActorError:  # dead (no restarts left)
             return False

@@ -56,6 +56,12 @@ def _train_in_thread(**kwargs):
     return thread, box
 
 
+def _result(thread: threading.Thread, box: dict):
+    """The run's result once its thread is done, or the test fails with the run's error."""
+    thread.join(timeout=300)
+    return box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+
+
 def _kill_when(trace: pathlib.Path, lines: int, role: str, before: set[str], pusher: int | None = None) -> int:
     """Kills this run's ``role`` actor once the trace has ``lines`` lines and, for a worker, one push of its own.
 
@@ -125,8 +131,7 @@ def test_in_sync_mode_a_restarted_worker_rejoins_its_round_and_the_result_is_sti
     thread, box = _train_in_thread(steps=300, out_dir=tmp_path, max_restarts=1, mode="sync")
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"], pusher=0)
     assert killed_at < 250, "the kill came too late to test anything: make the run longer"
-    thread.join(timeout=300)
-    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    result = _result(thread, box)
     assert list(result.failures) == [1] and result.pushes_applied == 300
     sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(2),
                             mode="sync", batch_size=4, num_updates=300, key=key, progress=False)  # fmt: skip
@@ -137,8 +142,7 @@ def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_p
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, max_restarts=1)
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
     assert killed_at < 500, "the kill came too late to test anything: make the run longer"
-    thread.join(timeout=300)
-    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    result = _result(thread, box)
     assert list(result.failures) == [1]  # reported
     assert result.pushes_applied == 600 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
@@ -148,8 +152,7 @@ def test_a_killed_worker_actor_without_restarts_is_dropped_and_the_others_finish
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path)  # max_restarts=0: the default
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
     assert killed_at < 500, "the kill came too late to test anything: make the run longer"
-    thread.join(timeout=300)
-    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    result = _result(thread, box)
     assert list(result.failures) == [1] and result.failures[1].startswith("ActorDiedError: "), result.failures
     assert "/worker-1" in result.failures[1]  # Ray's message names the actor
     assert result.pushes_applied == 600
@@ -165,8 +168,7 @@ def test_with_on_worker_failure_stop_a_killed_worker_actor_stops_the_run_cleanly
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, on_worker_failure="stop")
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
     assert killed_at < 500, "the kill came too late to test anything: make the run longer"
-    thread.join(timeout=300)
-    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    result = _result(thread, box)
     assert list(result.failures) == [1] and result.pushes_applied < 600
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
     # Stopped cleanly: the final checkpoint holds every applied update, and the trace replays to the weights.
@@ -178,8 +180,7 @@ def test_with_on_worker_failure_stop_a_killed_worker_actor_stops_the_run_cleanly
 def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     thread, box = _train_in_thread(steps=600, out_dir=tmp_path, checkpoint_every=10)
     _kill_when(tmp_path / "trace.jsonl", 100, "store", box["before"])
-    thread.join(timeout=300)
-    result = box.get("result") or pytest.fail(f"training failed: {box.get('error')!r}")
+    result = _result(thread, box)
     assert result.resumed_from > 0 and result.resumed_from % 10 == 0
     assert result.pushes_applied == 600 and not result.failures
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
