@@ -91,8 +91,14 @@ def snapshot_version(state: ServerState, slot: jax.Array) -> jax.Array:
     return _get(state.backup_version, slot)
 
 
-def pull(state: ServerState, slot: jax.Array) -> ServerState:
-    """Records the current weights, model state and version as ``slot``'s backup (a worker's pull)."""
+def pull(state: ServerState, slot: jax.Array, *, weights: bool = True) -> ServerState:
+    """Records the current weights, model state and version as ``slot``'s backup (a worker's pull).
+
+    ``weights=False`` records only the version: for a caller that writes the weights later (the simulator, whose
+    single slot always holds w_t, writes it once per chunk instead of copying the weights on every update).
+    """
+    if not weights:
+        return state._replace(backup_version=_put(state.backup_version, slot, state.version))
     put = lambda stack, x: _put(stack, slot, x)
     return state._replace(
         backup_params=jax.tree.map(put, state.backup_params, state.params),
@@ -107,6 +113,8 @@ def push(
     slot: jax.Array,
     grads: Any,
     model_state: Any = None,
+    *,
+    stale_params: Any = None,
 ) -> tuple[ServerState, jax.Array]:
     """Applies one pushed payload with the rule and advances the version.
 
@@ -116,12 +124,16 @@ def push(
       slot: the pushing worker's slot (int32); its backup is the gradient's ``stale_params``.
       grads: the payload (a gradient, a sum of gradients, or a descent-direction parameter delta).
       model_state: the worker's updated model collections, which replace the server's; ``None`` keeps them.
+      stale_params: the slot's snapshot, when the caller already holds it (the simulator read it to compute the
+        gradient: passing it saves a second read of the backup, from memory the gradient has long left); read from
+        the backup otherwise.
 
     Returns:
       ``(new_state, staleness)`` where staleness is the int32 number of updates since the slot's snapshot.
     """
     slot = jnp.asarray(slot, jnp.int32)
-    stale_params = jax.tree.map(lambda x: _get(x, slot), state.backup_params)
+    if stale_params is None:
+        stale_params = jax.tree.map(lambda x: _get(x, slot), state.backup_params)
     staleness = state.version - _get(state.backup_version, slot)
     updates, opt_state = rule.update(
         grads,

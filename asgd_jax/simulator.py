@@ -37,7 +37,7 @@ from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
 from asgd_jax import order, server
 
-__all__ = ["SimState", "SimulationResult", "grid", "shard_indices", "simulate", "sweep"]
+__all__ = ["SimState", "SimulationResult", "grid", "lower", "shard_indices", "simulate", "sweep"]
 
 MODES = ("async", "sync")
 PUSHES = ("gradients", "delta", "accumulate")
@@ -282,6 +282,14 @@ def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
     )
 
 
+def _live_slot(delays, cfg: _Config) -> bool:
+    """Whether every update pulls into slot 0 and computes at w_t: SSGD, or a single slot (FixedDelay(0), one worker).
+    Then slot 0 always holds w_t bit for bit, so the step reads the live weights and the chunk writes the slot's
+    weights once at its end: per update, a copy of the weights into the slot (and one XLA made to protect the slot
+    from that write while the gradient read it) would be the only work beyond sequential SGD's."""
+    return cfg.mode == "sync" or delays.num_slots == 1
+
+
 def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state: SimState, step_keys, model_key):
     """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and, for SSGD, ``fold_in(model_key, t)`` for this
     t (``None`` asynchronously: the pushing worker's key comes from ``model_key``, its pulled version and its id)."""
@@ -291,7 +299,10 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state
 
     if cfg.mode == "async":
         delay_state, event = delays.next(state.delay, t, k_delay, cfg.n_sync)
-        params0, model_state0 = server.snapshot(state.server, event.push)
+        if _live_slot(delays, cfg):
+            params0, model_state0 = state.server.params, state.server.model_state
+        else:
+            params0, model_state0 = server.snapshot(state.server, event.push)
         # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
         # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
         pulled = server.snapshot_version(state.server, event.push)
@@ -303,8 +314,10 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state
             batches.append(batch)
         batches = jax.tree.map(lambda *b: jnp.stack(b), *batches)
         payload, model_state, loss, aux = _work(grad_fn, cfg, params0, model_state0, batches, k_model, local_lr)
-        srv, staleness = server.push(rule, state.server, event.push, payload, push_state(model_state))
-        srv = server.pull(srv, event.pull)
+        srv, staleness = server.push(
+            rule, state.server, event.push, payload, push_state(model_state), stale_params=params0
+        )  # the snapshot the gradient was computed at, read once
+        srv = server.pull(srv, event.pull, weights=not _live_slot(delays, cfg))
         worker, clock, examples = event.push, event.time, cfg.n_sync * cfg.batch_size
     else:
         num = delays.num_slots
@@ -321,7 +334,7 @@ def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state
             lambda b, k: _work(grad_fn, cfg, params0, model_state0, b, k, local_lr)
         )(batches, keys)
         srv, staleness = server.push(rule, state.server, 0, _mean_tree(payloads), push_state(_mean_tree(model_states)))
-        srv = server.pull(srv, 0)
+        srv = server.pull(srv, 0, weights=not _live_slot(delays, cfg))
         loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxes)
         worker = jnp.asarray(-1, jnp.int32)
         clock = state.clock + delays.sync_time(k_delay, cfg.n_sync)
@@ -346,20 +359,36 @@ def _evaluate(eval_fn, state: SimState) -> dict[str, jax.Array]:
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int):
-    """``(state, data, key, hparams) -> (state, per-update metrics, evaluation)`` over ``length`` updates."""
+def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn):
+    """``(state, data, key, hparams, local_lr, count) -> (state, per-update metrics, evaluation)``.
 
-    def chunk(state, data, key, hparams, local_lr):
+    Runs ``count <= cfg.chunk`` updates. The count is traced, so a run's last, shorter chunk uses the same compiled
+    program (a second compile cost as much as thousands of updates); the metrics have ``cfg.chunk`` rows, of which
+    the first ``count`` are filled.
+    """
+
+    def chunk(state, data, key, hparams, local_lr, count):
         rule, delays = rule_fn(hparams), delays_fn(hparams)
         data_key, delay_key, model_key = _split_key(key)
         data_words = order.key_words(data_key)
         # Every update's keys in one vectorised PRNG call per chunk (on CPU each call inside the loop is a rolled
         # loop of its own); identical to folding t in step by step.
-        ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
+        ts = state.server.version + jnp.arange(cfg.chunk, dtype=jnp.int32)
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         step_keys = (fold(delay_key, ts), fold(model_key, ts) if cfg.mode == "sync" else None)
         step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k, model_key)
-        state, metrics = jax.lax.scan(step, state, step_keys)
+        row = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
+        shapes = jax.eval_shape(lambda s, k: step(s, k)[1], state, row(step_keys, 0))
+        rows = jax.tree.map(lambda a: jnp.zeros((cfg.chunk, *a.shape), a.dtype), shapes)
+
+        def body(i, carry):
+            s, rows = carry
+            s, metrics = step(s, row(step_keys, i))
+            return s, jax.tree.map(lambda r, m: r.at[i].set(m), rows, metrics)
+
+        state, metrics = jax.lax.fori_loop(0, count, body, (state, rows))
+        if _live_slot(delays, cfg):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
+            state = state._replace(server=server.pull(state.server, 0))
         return state, metrics, _evaluate(eval_fn, state)
 
     return chunk
@@ -374,30 +403,22 @@ def _key_fingerprint(keys: jax.Array) -> str:
     return hashlib.sha256(np.asarray(jax.random.key_data(keys)).tobytes()).hexdigest()[:16]
 
 
-def _run(
-    loss_fn,
-    rule_fn,
-    params,
-    data,
-    *,
-    keys,
-    hparams,
-    batched: bool,
-    delays_fn,
-    batch_size,
-    num_updates,
-    mode,
-    n_sync,
-    push,
-    model_state,
-    local_learning_rate,
-    eval_fn,
-    eval_every,
-    checkpoint_dir,
-    progress,
-    callback,
-    description,
-) -> SimulationResult:
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """A validated run's compiled pieces: the initial state, chunks of updates, the evaluation."""
+
+    cfg: _Config
+    init: Callable  # (keys, hparams) -> SimState
+    chunk: Callable  # jitted (state, data, keys, hparams, local_lr, count) -> (state, metrics, evaluation)
+    evaluate: Callable  # state -> evaluation
+    evaluates: bool  # an eval_fn was given
+    data: Any  # on the device
+    local_lr: jax.Array
+
+
+def _program(loss_fn, rule_fn, params, data, *, hparams, batched, delays_fn, batch_size, num_updates, mode, n_sync,
+             push, model_state, local_learning_rate, eval_fn, eval_every, chunk_len=None) -> _Program:  # fmt: skip
+    """Validates the arguments (before anything is traced) and builds the run's programs."""
     # The structure (slots, shards, kind) is static, so the first run's delay model describes every run.
     first = jax.tree.map(lambda v: v[0], hparams) if batched else hparams
     delays = delays_fn(first)
@@ -414,25 +435,34 @@ def _run(
         eval_every=eval_every,
     )
     stateful = model_state is not None
-    chunk_len = eval_every or max(1, min(num_updates, math.ceil(num_updates / 20)))
+    chunk_len = chunk_len or eval_every or max(1, min(num_updates, math.ceil(num_updates / 20)))
     cfg = _Config(mode, n_sync, push, batch_size, num_examples, shard_size, stateful, chunk_len)
     grad_fn = jax.value_and_grad(_as_stateful(loss_fn, stateful), has_aux=True)
-    local_lr = jnp.asarray(0.0 if local_learning_rate is None else local_learning_rate, jnp.float32)
-    data = jax.tree.map(jnp.asarray, data)
     model_state = {} if model_state is None else model_state
 
     def init_one(key, hp):
         return _init(rule_fn(hp), delays_fn(hp), cfg, params, model_state, key)
 
-    def compiled(length):
-        fn = _make_chunk(grad_fn, rule_fn, delays_fn, cfg, eval_fn, length)
-        if batched:
-            fn = jax.vmap(fn, in_axes=(0, None, 0, 0, None))
-        return jax.jit(fn, donate_argnums=0)
+    chunk = _make_chunk(grad_fn, rule_fn, delays_fn, cfg, eval_fn)
+    if batched:
+        chunk = jax.vmap(chunk, in_axes=(0, None, 0, 0, None, None))
 
-    init_fn = jax.jit(jax.vmap(init_one) if batched else init_one)
-    evaluate = jax.jit(jax.vmap(lambda s: _evaluate(eval_fn, s)) if batched else lambda s: _evaluate(eval_fn, s))
+    evaluate = lambda s: _evaluate(eval_fn, s)
+    return _Program(
+        cfg=cfg,
+        init=jax.jit(jax.vmap(init_one) if batched else init_one),
+        chunk=jax.jit(chunk, donate_argnums=0),
+        evaluate=jax.jit(jax.vmap(evaluate) if batched else evaluate),
+        evaluates=eval_fn is not None,
+        data=jax.tree.map(jnp.asarray, data),
+        local_lr=jnp.asarray(0.0 if local_learning_rate is None else local_learning_rate, jnp.float32),
+    )
 
+
+def _run(program: _Program, *, keys, hparams, batched: bool, num_updates, checkpoint_dir, progress, callback,
+         description) -> SimulationResult:  # fmt: skip
+    cfg, chunk_len, data, local_lr = program.cfg, program.cfg.chunk, program.data, program.local_lr
+    init_fn, compiled, evaluate = program.init, program.chunk, program.evaluate
     state = init_fn(keys, hparams)
     chunks: list[dict[str, np.ndarray]] = []
     evals: list[dict[str, np.ndarray]] = []
@@ -459,7 +489,7 @@ def _run(
         chunks = [metrics] if metrics else []
         n_evals = next(iter(stacked.values())).shape[axis] if stacked else 0
         evals = [{k: np.take(v, i, axis=axis) for k, v in stacked.items()} for i in range(n_evals)]
-    if not evals and eval_fn is not None:
+    if not evals and program.evaluates:
         first = jax.device_get(evaluate(state))
         evals = [first] if first else []
 
@@ -468,14 +498,12 @@ def _run(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=num_updates, initial=done, desc=description, unit="upd", leave=False)
-    programs: dict[int, Callable] = {}
     try:
         while done < num_updates:
             length = min(chunk_len, num_updates - done)
-            if length not in programs:
-                programs[length] = compiled(length)
-            state, metrics, ev = programs[length](state, data, keys, hparams, local_lr)
-            chunks.append(jax.device_get(metrics))
+            state, metrics, ev = compiled(state, data, keys, hparams, local_lr, np.int32(length))
+            filled = np.arange(length)  # the program's metrics have a row per update of a full chunk
+            chunks.append(jax.tree.map(lambda m, rows=filled: np.take(m, rows, axis=axis), jax.device_get(metrics)))
             if ev:
                 evals.append(jax.device_get(ev))
             done += length
@@ -579,29 +607,57 @@ def simulate(
     """
     delays = delays_lib.Workers(8) if delays is None else delays
     key = jax.random.key(0) if key is None else key
-    return _run(
-        loss_fn,
-        lambda _: rule,
-        params,
-        data,
-        keys=key,
-        hparams={},
-        batched=False,
-        delays_fn=lambda _: delays,
-        batch_size=batch_size,
-        num_updates=num_updates,
-        mode=mode,
-        n_sync=n_sync,
-        push=push,
-        model_state=model_state,
-        local_learning_rate=local_learning_rate,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        checkpoint_dir=checkpoint_dir,
-        progress=progress,
-        callback=callback,
-        description="simulate",
-    )
+    program = _program(
+        loss_fn, lambda _: rule, params, data, hparams={}, batched=False, delays_fn=lambda _: delays,
+        batch_size=batch_size, num_updates=num_updates, mode=mode, n_sync=n_sync, push=push, model_state=model_state,
+        local_learning_rate=local_learning_rate, eval_fn=eval_fn, eval_every=eval_every,
+    )  # fmt: skip
+    return _run(program, keys=key, hparams={}, batched=False, num_updates=num_updates, checkpoint_dir=checkpoint_dir,
+                progress=progress, callback=callback, description="simulate")  # fmt: skip
+
+
+def lower(
+    loss_fn: Callable,
+    rule: optax.GradientTransformation,
+    params: Any,
+    data: Any,
+    *,
+    delays: Any = None,
+    batch_size: int = 32,
+    num_updates: int = 2_000,
+    key: jax.Array | None = None,
+    mode: str = "async",
+    n_sync: int = 1,
+    push: str = "gradients",
+    model_state: Any = None,
+    local_learning_rate: float | None = None,
+    length: int | None = None,
+) -> jax.stages.Lowered:
+    """The program :func:`simulate` compiles for a chunk of ``length`` updates, lowered, for inspection.
+
+    Takes :func:`simulate`'s arguments; ``length`` defaults to the chunk ``simulate`` would use. The program is
+    ``(state, data, key, hparams, local_lr) -> (state, metrics, evaluation)`` with the state donated; ``.compile()``
+    gives its optimised HLO (``.as_text()``), cost and memory analyses, so one can check what an update costs (see
+    ARCHITECTURE.md, "What a step costs").
+
+    Example:
+      >>> import jax, jax.numpy as jnp, asgd_jax
+      >>> data = {"x": jnp.ones((256, 3)), "y": jnp.ones(256)}
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> lowered = asgd_jax.simulator.lower(loss, asgd_jax.asgd(0.1), jnp.zeros(3), data, length=5)
+      >>> lowered.args_info[0][0].server.backup_params.shape  # Workers(8): one backup per worker
+      (8, 3)
+    """
+    delays = delays_lib.Workers(8) if delays is None else delays
+    key = jax.random.key(0) if key is None else key
+    program = _program(
+        loss_fn, lambda _: rule, params, data, hparams={}, batched=False, delays_fn=lambda _: delays,
+        batch_size=batch_size, num_updates=num_updates, mode=mode, n_sync=n_sync, push=push, model_state=model_state,
+        local_learning_rate=local_learning_rate, eval_fn=None, eval_every=None,
+        chunk_len=None if length is None else _positive_int("length", length),
+    )  # fmt: skip
+    state = jax.eval_shape(program.init, key, {})
+    return program.chunk.lower(state, program.data, key, {}, program.local_lr, np.int32(program.cfg.chunk))
 
 
 def sweep(
@@ -670,29 +726,14 @@ def sweep(
             raise ValueError(
                 f"hparams[{name!r}] has shape {np.shape(value)}: give one value per run, a leading axis of {num_runs}."
             )
-    return _run(
-        loss_fn,
-        rule_fn,
-        params,
-        data,
-        keys=keys,
-        hparams=hparams,
-        batched=True,
-        delays_fn=delays_fn,
-        batch_size=batch_size,
-        num_updates=num_updates,
-        mode=mode,
-        n_sync=n_sync,
-        push=push,
-        model_state=model_state,
-        local_learning_rate=local_learning_rate,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        checkpoint_dir=checkpoint_dir,
-        progress=progress,
-        callback=callback,
-        description=f"sweep x{num_runs}",
-    )
+    program = _program(
+        loss_fn, rule_fn, params, data, hparams=hparams, batched=True, delays_fn=delays_fn, batch_size=batch_size,
+        num_updates=num_updates, mode=mode, n_sync=n_sync, push=push, model_state=model_state,
+        local_learning_rate=local_learning_rate, eval_fn=eval_fn, eval_every=eval_every,
+    )  # fmt: skip
+    return _run(program, keys=keys, hparams=hparams, batched=True, num_updates=num_updates,
+                checkpoint_dir=checkpoint_dir, progress=progress, callback=callback,
+                description=f"sweep x{num_runs}")  # fmt: skip
 
 
 def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -1,17 +1,32 @@
-"""How much does simulating asynchrony cost over plain SGD? Ratios measured side by side in one run.
+"""What does simulating asynchrony cost over a hand-written ``lax.scan``? Ratios measured side by side in one run.
 
-(a) ``asgd_jax.simulate`` with 8 event-driven workers and DC-ASGD-a,
-(b) a plain ``lax.scan`` of sequential SGD steps: the same model, batch, data order and gradient work, no asynchrony
-    (the floor),
-(c) a Python loop over a jitted SGD step (what a hand-written loop does).
-Targets: (a)/(b) <= 1.10 and (a) faster than (c). Also: a 16-run grid (4 seeds x 4 lambdas) as one ``sweep`` versus
-16 separate ``simulate`` calls (wall time including compilation, as a user sees it), and the simulator's state and
-XLA memory versus the number of workers M (it should grow as M x parameter size, nothing worse).
+The floor is what a user writes without this project: ``optax.sgd`` in a plain ``jax.lax.scan`` over minibatches
+drawn with ``jax.random.randint``, nothing from asgd_jax in the loop. Against it, ``asgd_jax.simulate`` with
 
-Steady-state times exclude compilation: every engine runs in the same chunks and the first chunk is discarded.
+* ``FixedDelay(0)`` and ASGD: this *is* sequential SGD, so everything above the floor is the engine's;
+* ``Workers(1)``, ``Workers(8)`` with ASGD, and ``Workers(8)`` with DC-ASGD-a (global MeanSquare);
+* (n_sync) ``Workers(8)``, ASGD, ``n_sync=4, push="accumulate"``: four minibatches per exchange, so its time is
+  compared with four floor updates.
 
-    .venv/bin/python experiments/benchmarks/simulator_overhead.py            # ~3 minutes on 2 cores
-    .venv/bin/python experiments/benchmarks/simulator_overhead.py --quick    # ~1 minute
+Workloads (the model is the workload, the same function on both sides):
+
+* ``W``: MLP 64-256-256-10 without biases (84,480 parameters), random 4096 x 64 data, batch 64;
+* ``L``: MLP 64-1024-1024-10 without biases (1,124,352 parameters, 4.5 MB), same data, batch 64;
+* ``cnn``: asgd_jax's ``cnn`` on mnist1d, batch 32.
+
+Two figures per engine, both as a ratio to the floor measured in the same repeat:
+
+* steady state: both sides run in equal chunks (a progress/checkpoint interval each) and the first is discarded, so
+  compilation is excluded on both sides;
+* end to end: one call from arguments to result, compilation included on both sides (what a notebook user waits).
+
+Then a 16-run ``sweep`` (4 seeds x 4 DC-ASGD-a lambdas) on W, as GFLOP/s (FLOPs per update from XLA's cost analysis
+of one gradient) and as a fraction of this machine's float32 matmul peak measured in the same script, against the
+floor vmapped over 16 runs (the best a hand-written sweep does); and the simulator's state and XLA memory versus the
+number of workers M. Repeats are interleaved, so drift on a shared machine hits all engines alike; medians are shown.
+
+    .venv/bin/python experiments/benchmarks/simulator_overhead.py            # ~12 minutes on 2 cores
+    .venv/bin/python experiments/benchmarks/simulator_overhead.py --quick    # ~4 minutes
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,165 +42,280 @@ import numpy as np
 import optax
 
 import asgd_jax
-from asgd_jax import order, simulator
+
+LR = 0.01
 
 
-def setup(model_name: str):
+# --------------------------------------------------------------------------------------------------------------------
+# Workloads: a loss, initial weights, data.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def mlp_workload(widths: tuple[int, ...], batch_size: int):
+    keys = jax.random.split(jax.random.key(0), len(widths) + 1)
+    params = [
+        jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a)
+        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=False)
+    ]
+    x = jax.random.normal(keys[-1], (4096, widths[0]), jnp.float32)
+    y = jax.random.randint(keys[-2], (4096,), 0, widths[-1])
+
+    def loss(ws, batch):
+        h = batch["x"]
+        for w in ws[:-1]:
+            h = jax.nn.relu(h @ w)
+        return optax.softmax_cross_entropy_with_integer_labels(h @ ws[-1], batch["y"]).mean()
+
+    return {"loss": loss, "params": params, "data": {"x": x, "y": y}, "batch_size": batch_size}
+
+
+def cnn_workload(batch_size: int):
     ds = asgd_jax.data.load("mnist1d")
-    model = asgd_jax.models.get(model_name, num_classes=10, input_shape=ds.input_shape)
-    params, state = model.init(jax.random.key(0))
-    return ds, model, params, state
+    model = asgd_jax.models.get("cnn", num_classes=10, input_shape=ds.input_shape)
+    params, _ = model.init(jax.random.key(0))  # no model state
+
+    def loss(p, batch):
+        logits, _ = model.apply(p, {}, batch["x"], train=True)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    data = {"x": jnp.asarray(ds.x_train), "y": jnp.asarray(ds.y_train)}
+    return {"loss": loss, "params": params, "data": data, "batch_size": batch_size}
 
 
-def time_simulator(loss, params, state, ds, updates, chunks, delays, rule):
-    stamps = []
-    asgd_jax.simulate(
-        loss, rule, params, ds.train, delays=delays, num_updates=updates, model_state=state,
-        eval_every=updates // chunks, eval_fn=lambda p, s: {}, progress=False,
-        callback=lambda done, st: (jax.block_until_ready(st.server.params), stamps.append(time.perf_counter())),
-    )  # fmt: skip
-    return (stamps[-1] - stamps[0]) / (updates - updates // chunks)
+def num_params(params) -> int:
+    return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
 
-def make_sgd_step(loss, ds, batch_size, lr):
-    rule = optax.sgd(lr)
-    x, y = jnp.asarray(ds.x_train), jnp.asarray(ds.y_train)
-    n = len(ds.y_train)
-    per_epoch = n // batch_size
-    key = jax.random.key(0)
-    words = order.key_words(key)
-
-    def step(carry, t):
-        params, opt_state, model_state = carry
-        epoch, k = t // per_epoch, t % per_epoch
-        idx = order.example_index(words, epoch, k * batch_size + jnp.arange(batch_size), n)
-        grads, (model_state, _) = jax.grad(loss, has_aux=True)(
-            params, model_state, {"x": x[idx], "y": y[idx]}, jax.random.fold_in(key, t)
-        )
-        updates, opt_state = rule.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, model_state), None
-
-    return step, rule
+# --------------------------------------------------------------------------------------------------------------------
+# The floor: plain optax.sgd in a lax.scan, nothing of ours.
+# --------------------------------------------------------------------------------------------------------------------
 
 
-def time_scan(loss, params, state, ds, updates, chunks, batch_size):
-    step, rule = make_sgd_step(loss, ds, batch_size, 0.1)
-    length = updates // chunks
+def floor_chunk(wl, length: int, runs: int | None = None) -> Callable:
+    """A fresh jitted chunk of ``length`` plain SGD updates (fresh: every call compiles, as a new user's would)."""
+    loss, data, batch_size = wl["loss"], wl["data"], wl["batch_size"]
+    n = jax.tree.leaves(data)[0].shape[0]
+    opt = optax.sgd(LR)
 
-    @jax.jit
-    def chunk(carry, start):
-        carry, _ = jax.lax.scan(step, carry, start + jnp.arange(length))
+    def chunk(carry, key):
+        def step(c, k):
+            params, opt_state = c
+            idx = jax.random.randint(k, (batch_size,), 0, n)
+            grads = jax.grad(loss)(params, jax.tree.map(lambda a: a[idx], data))
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), None
+
+        carry, _ = jax.lax.scan(step, carry, jax.random.split(key, length))
         return carry
 
-    carry = (params, rule.init(params), state)
-    stamps = []
-    for c in range(chunks):
-        carry = jax.block_until_ready(chunk(carry, c * length))
-        stamps.append(time.perf_counter())
-    return (stamps[-1] - stamps[0]) / (updates - length)
+    if runs is not None:
+        chunk = jax.vmap(chunk)
+    return jax.jit(chunk, donate_argnums=0)
 
 
-def time_python_loop(loss, params, state, ds, updates, chunks, batch_size):
-    step, rule = make_sgd_step(loss, ds, batch_size, 0.1)
-    jstep = jax.jit(step)
-    carry = (params, rule.init(params), state)
-    carry, _ = jstep(carry, 0)  # compile
-    jax.block_until_ready(carry)
+def time_floor(wl, updates: int, chunks: int, runs: int | None = None) -> tuple[float, float]:
+    """``(steady seconds per update, end-to-end seconds)`` of the floor, chunked like the simulator."""
     length = updates // chunks
     start = time.perf_counter()
-    for t in range(length, updates):
-        carry, _ = jstep(carry, t)
-    jax.block_until_ready(carry)
-    return (time.perf_counter() - start) / (updates - length)
+    chunk = floor_chunk(wl, length, runs)
+    opt = optax.sgd(LR)
+    carry = jax.tree.map(jnp.copy, (wl["params"], opt.init(wl["params"])))  # donated below
+    keys = jax.random.split(jax.random.key(1), chunks)
+    if runs is not None:
+        carry = jax.tree.map(lambda x: jnp.broadcast_to(x, (runs, *x.shape)).copy(), carry)
+        keys = jax.vmap(lambda k: jax.random.split(k, runs))(keys)
+    stamps = []
+    for c in range(chunks):
+        carry = jax.block_until_ready(chunk(carry, keys[c]))
+        stamps.append(time.perf_counter())
+    return (stamps[-1] - stamps[0]) / (updates - length), stamps[-1] - start
 
 
-def tree_bytes(tree) -> int:
-    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+# --------------------------------------------------------------------------------------------------------------------
+# The simulator.
+# --------------------------------------------------------------------------------------------------------------------
 
 
-def memory_versus_workers(loss, params, state, ds, worker_counts):
-    rule = asgd_jax.dc_asgd(0.1, 2.0, adaptive=True)
-    rows = []
-    for m in worker_counts:
-        delays = asgd_jax.delays.Workers(m)
-        n = len(ds.y_train)
-        cfg = simulator._Config("async", 1, "gradients", 32, n, n // m, True, 10)
-        init = jax.jit(lambda k, delays=delays, cfg=cfg: simulator._init(rule, delays, cfg, params, state, k))
-        sim_state = init(jax.random.key(0))
-        grad_fn = jax.value_and_grad(simulator._as_stateful(loss, True), has_aux=True)
-        chunk = simulator._make_chunk(grad_fn, lambda _: rule, lambda _, d=delays: d, cfg, None, 10)
-        compiled = (
-            jax.jit(chunk, donate_argnums=0)
-            .lower(sim_state, jax.tree.map(jnp.asarray, ds.train), jax.random.key(0), {}, jnp.float32(0))
-            .compile()
+ENGINES = {
+    "FixedDelay(0), ASGD": lambda: (asgd_jax.delays.FixedDelay(0), asgd_jax.asgd(LR), {}),
+    "Workers(1), ASGD": lambda: (asgd_jax.delays.Workers(1), asgd_jax.asgd(LR), {}),
+    "Workers(8), ASGD": lambda: (asgd_jax.delays.Workers(8), asgd_jax.asgd(LR), {}),
+    "Workers(8), DC-ASGD-a": lambda: (asgd_jax.delays.Workers(8), asgd_jax.dc_asgd(LR, 2.0, adaptive=True), {}),
+    "Workers(8), ASGD, n_sync 4": lambda: (
+        asgd_jax.delays.Workers(8),
+        asgd_jax.asgd(LR),
+        {"n_sync": 4, "push": "accumulate"},
+    ),
+}
+
+
+def time_simulate(wl, updates: int, chunks: int, engine: str) -> tuple[float, float]:
+    """``(steady seconds per minibatch, end-to-end seconds)`` of one ``simulate`` call in ``chunks`` chunks."""
+    delays, rule, extra = ENGINES[engine]()
+    n_sync = extra.get("n_sync", 1)
+    num_updates = updates // n_sync
+    stamps = []
+    start = time.perf_counter()
+    asgd_jax.simulate(
+        wl["loss"],
+        rule,
+        wl["params"],
+        wl["data"],
+        delays=delays,
+        batch_size=wl["batch_size"],
+        num_updates=num_updates,
+        eval_every=num_updates // chunks,
+        eval_fn=lambda p, s: {},
+        progress=False,
+        callback=lambda done, st: (jax.block_until_ready(st.server.params), stamps.append(time.perf_counter())),
+        **extra,
+    )
+    per_chunk = num_updates // chunks
+    return (stamps[-1] - stamps[0]) / ((num_updates - per_chunk) * n_sync), stamps[-1] - start
+
+
+def compare(name: str, wl, updates: int, chunks: int, repeats: int) -> dict[str, tuple[float, float, float, float]]:
+    """Interleaved repeats; per engine the medians of (µs/update, ratio) steady and (s, ratio) end to end."""
+    steady: dict[str, list[float]] = {}
+    e2e: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    e2e_ratios: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        floor, floor_e2e = time_floor(wl, updates, chunks)
+        steady.setdefault("floor", []).append(floor)
+        e2e.setdefault("floor", []).append(floor_e2e)
+        for engine in ENGINES:
+            s, e = time_simulate(wl, updates, chunks, engine)
+            steady.setdefault(engine, []).append(s)
+            e2e.setdefault(engine, []).append(e)
+            ratios.setdefault(engine, []).append(s / floor)
+            e2e_ratios.setdefault(engine, []).append(e / floor_e2e)
+    out = {"floor": (statistics.median(steady["floor"]), 1.0, statistics.median(e2e["floor"]), 1.0)}
+    for engine in ENGINES:
+        out[engine] = (
+            statistics.median(steady[engine]),
+            statistics.median(ratios[engine]),
+            statistics.median(e2e[engine]),
+            statistics.median(e2e_ratios[engine]),
         )
-        mem = compiled.memory_analysis()
-        rows.append((m, tree_bytes(sim_state), getattr(mem, "temp_size_in_bytes", float("nan"))))
-    return rows
+    print(f"[{name}: {num_params(wl['params']):,} parameters, batch {wl['batch_size']}, {updates} updates]")
+    print(f"  {'engine':28s} {'steady µs/update':>17s} {'ratio':>6s} {'end to end s':>13s} {'ratio':>6s}")
+    for engine, (s, r, e, er) in out.items():
+        print(f"  {engine:28s} {1e6 * s:17.1f} {r:6.2f} {e:13.2f} {er:6.2f}")
+    print(flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sweeps: FLOP/s against the machine's matmul peak.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
+    """float32 GFLOP/s of one large matmul (the best of ``repeats``)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(mm(a, a))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(mm(a, a))
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def flops_per_update(wl) -> float:
+    """FLOPs of one minibatch gradient, from XLA's cost analysis."""
+    batch = jax.tree.map(lambda a: a[: wl["batch_size"]], wl["data"])
+    compiled = jax.jit(jax.grad(wl["loss"])).lower(wl["params"], batch).compile()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
+    return float(analysis["flops"])
+
+
+def sweep_throughput(wl, updates: int, chunks: int, repeats: int) -> None:
+    keys, hp = asgd_jax.grid(seeds=range(4), lam=[0.0, 0.5, 1.0, 2.0])
+    runs = len(hp["lam"])
+    flops = flops_per_update(wl)
+    rows: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        stamps: list[float] = []
+        asgd_jax.sweep(
+            wl["loss"],
+            lambda h: asgd_jax.dc_asgd(LR, h["lam"], adaptive=True),
+            wl["params"],
+            wl["data"],
+            keys=keys,
+            hparams=hp,
+            batch_size=wl["batch_size"],
+            num_updates=updates,
+            eval_every=updates // chunks,
+            eval_fn=lambda p, s: {},
+            progress=False,
+            callback=lambda done, st, stamps=stamps: (
+                jax.block_until_ready(st.server.params),
+                stamps.append(time.perf_counter()),
+            ),
+        )
+        rows.setdefault("sweep", []).append((stamps[-1] - stamps[0]) / (updates - updates // chunks))
+        rows.setdefault("floor x16 (vmap)", []).append(time_floor(wl, updates, chunks, runs=runs)[0])
+        rows.setdefault("floor x1", []).append(time_floor(wl, updates, chunks)[0])
+        rows.setdefault("peak", []).append(matmul_peak())
+    peak = statistics.median(rows.pop("peak"))
+    print(f"[16-run sweep (4 seeds x 4 lambdas, DC-ASGD-a, Workers(8)) on W, {updates} updates each]")
+    print(f"  matmul peak (2048^3 float32): {peak:.1f} GFLOP/s; {flops / 1e6:.2f} MFLOP per update (XLA cost analysis)")
+    for name, values in rows.items():
+        t = statistics.median(values)
+        n = 1 if name == "floor x1" else runs
+        gflops = n * flops / t / 1e9
+        print(
+            f"  {name:18s} {1e6 * t:9.1f} µs per step of all runs  {gflops:6.1f} GFLOP/s  {gflops / peak:6.1%} of peak"
+        )
+    print(flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Memory versus M.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def memory_versus_workers(wl, worker_counts) -> None:
+    rule = asgd_jax.dc_asgd(LR, 2.0, adaptive=True)
+    p_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wl["params"]))
+    print(f"[memory vs M, W, DC-ASGD-a: parameters = {p_bytes / 1024:.0f} KiB]")
+    print("     M   state KiB   state / params   XLA temp KiB")
+    for m in worker_counts:
+        lowered = asgd_jax.simulator.lower(
+            wl["loss"], rule, wl["params"], wl["data"], delays=asgd_jax.delays.Workers(m),
+            batch_size=wl["batch_size"], length=10,
+        )  # fmt: skip
+        state = lowered.args_info[0][0]  # the chunk's first argument: the whole simulator state
+        state_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+        temp = lowered.compile().memory_analysis().temp_size_in_bytes
+        print(f"  {m:4d}   {state_bytes / 1024:9.0f}   {state_bytes / p_bytes:14.2f}   {temp / 1024:12.0f}")
+    print(flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model", default=None, help="mlp or cnn (default: both)")
+    parser.add_argument("--quick", action="store_true", help="fewer updates and repeats")
+    parser.add_argument("--only", nargs="+", default=None, help="W, L, cnn, sweep, memory")
     args = parser.parse_args()
-    updates, chunks, repeats = (1100, 11, 2) if args.quick else (3300, 11, 5)
-    models = [args.model] if args.model else ["mlp", "cnn"]
-    print(f"jax {jax.__version__} on {jax.default_backend()}, {jax.device_count()} device(s); {updates} updates\n")
-
-    for model_name in models:
-        ds, model, params, state = setup(model_name)
-        loss = asgd_jax.classification_loss(model)
-        rule = asgd_jax.dc_asgd(0.1, 2.0, adaptive=True)
-        times = {"a": [], "a1": [], "b": [], "c": []}
-        workers = asgd_jax.delays.Workers(8)
-        for _ in range(repeats):  # interleaved, so drift on a shared machine hits all of them alike
-            times["a"].append(time_simulator(loss, params, state, ds, updates, chunks, workers, rule))
-            times["a1"].append(time_simulator(loss, params, state, ds, updates, chunks, workers, asgd_jax.asgd(0.1)))
-            times["b"].append(time_scan(loss, params, state, ds, updates, chunks, 32))
-            times["c"].append(time_python_loop(loss, params, state, ds, updates, chunks, 32))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"[{model_name}: {model.num_params(params):,} params, batch 32, mnist1d]")
-        print(f"  (a) simulator, 8 workers, DC-ASGD-a : {1e6 * med['a']:8.1f} us/update")
-        print(f"  (a1) same, plain ASGD rule          : {1e6 * med['a1']:8.1f} us/update")
-        print(f"  (b) lax.scan sequential SGD (floor) : {1e6 * med['b']:8.1f} us/update")
-        print(f"  (c) Python loop of jitted SGD steps : {1e6 * med['c']:8.1f} us/update")
-        print(f"  (a)/(b) = {med['a'] / med['b']:.2f}   (target <= 1.10)")
-        print(
-            f"  (a1)/(b) = {med['a1'] / med['b']:.2f}  (the asynchrony machinery alone, without DC-ASGD-a's arithmetic)"
-        )
-        print(f"  (c)/(a) = {med['c'] / med['a']:.2f}   (target > 1: the simulator beats a Python loop)\n")
-
-    ds, model, params, state = setup("mlp")
-    loss = asgd_jax.classification_loss(model)
-    keys, hp = asgd_jax.grid(seeds=range(4), lam=[0.0, 0.5, 1.0, 2.0])
-    sweep_updates = updates // 2
-    start = time.perf_counter()
-    swept = asgd_jax.sweep(
-        loss, lambda h: asgd_jax.dc_asgd(0.1, h["lam"], adaptive=True), params, ds.train, keys=keys, hparams=hp,
-        num_updates=sweep_updates, model_state=state, progress=False,
-    )  # fmt: skip
-    jax.block_until_ready(swept.params)
-    t_sweep = time.perf_counter() - start
-    start = time.perf_counter()
-    for r in range(16):
-        alone = asgd_jax.simulate(
-            loss, asgd_jax.dc_asgd(0.1, float(hp["lam"][r]), adaptive=True), params, ds.train, key=keys[r],
-            num_updates=sweep_updates, model_state=state, progress=False,
-        )  # fmt: skip
-        jax.block_until_ready(alone.params)
-    t_separate = time.perf_counter() - start
-    print(f"[16-run grid (4 seeds x 4 lambdas), mlp, {sweep_updates} updates each, wall time incl. compilation]")
-    print(
-        f"  one sweep: {t_sweep:6.1f} s   16 separate runs: {t_separate:6.1f} s   ratio {t_separate / t_sweep:.1f}x\n"
-    )
-
-    rows = memory_versus_workers(loss, params, state, ds, [1, 8, 32, 128])
-    p_bytes = tree_bytes(params)
-    print(f"[memory vs M, mlp: parameters = {p_bytes / 1024:.0f} KiB]")
-    print("     M   state KiB   state / params   XLA temp KiB")
-    for m, s_bytes, temp in rows:
-        print(f"  {m:4d}   {s_bytes / 1024:9.0f}   {s_bytes / p_bytes:14.2f}   {temp / 1024:12.0f}")
+    repeats = 2 if args.quick else 3
+    scale = 2 if args.quick else 1
+    parts = args.only or ["W", "L", "cnn", "sweep", "memory"]
+    print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), {repeats} repeats\n")
+    w = mlp_workload((64, 256, 256, 10), 64)
+    if "W" in parts:
+        compare("W: MLP 64-256-256-10", w, 3000 // scale, 10, repeats)
+    if "L" in parts:
+        compare("L: MLP 64-1024-1024-10", mlp_workload((64, 1024, 1024, 10), 64), 600 // scale, 10, repeats)
+    if "cnn" in parts:
+        compare("cnn on mnist1d", cnn_workload(32), 1200 // scale, 10, repeats)
+    if "sweep" in parts:
+        sweep_throughput(w, 1000 // scale, 10, repeats)
+    if "memory" in parts:
+        memory_versus_workers(w, [1, 8, 32, 128])
 
 
 if __name__ == "__main__":
