@@ -59,7 +59,8 @@ def init(rule: optax.GradientTransformation, params: Any, num_slots: int, model_
       model_state: initial non-trained collections, or ``None`` / ``{}`` when the model has none.
     """
     model_state = {} if model_state is None else model_state
-    params = jax.tree.map(jnp.asarray, params)
+    # Copies: the engines donate the state to their programs, which must never delete the caller's arrays.
+    params, model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), (params, model_state))
     return ServerState(
         params=params,
         opt_state=rule.init(params),

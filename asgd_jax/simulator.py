@@ -21,6 +21,7 @@ every epoch the shards are disjoint and the data is re-partitioned randomly acro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import math
@@ -37,7 +38,7 @@ from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
 from asgd_jax import order, server
 
-__all__ = ["SimState", "SimulationResult", "grid", "lower", "shard_indices", "simulate", "sweep"]
+__all__ = ["SimState", "SimulationResult", "grid", "init", "lower", "shard_indices", "simulate", "sweep"]
 
 MODES = ("async", "sync")
 PUSHES = ("gradients", "delta", "accumulate")
@@ -272,11 +273,30 @@ def _split_key(key: jax.Array):
     return data_key, delay_key, model_key
 
 
-def _init(rule, delays, cfg: _Config, params, model_state, key) -> SimState:
+def init(
+    rule: optax.GradientTransformation,
+    params: Any,
+    *,
+    delays: Any = None,
+    key: jax.Array | None = None,
+    n_sync: int = 1,
+    model_state: Any = None,
+) -> SimState:
+    """The simulator's state before the first update (what :func:`simulate` starts from and :func:`lower`'s program
+    takes): the server at w_0, the delay model's first draw under ``key``, no minibatch taken, the clock at 0.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> state = asgd_jax.simulator.init(asgd_jax.asgd(0.1), jnp.zeros(3), delays=asgd_jax.delays.Workers(4))
+      >>> state.server.backup_params.shape, int(state.server.version)
+      ((4, 3), 0)
+    """
+    delays = delays_lib.Workers(8) if delays is None else delays
+    key = jax.random.key(0) if key is None else key
     _, delay_key, _ = _split_key(key)
     return SimState(
         server=server.init(rule, params, delays.num_slots, model_state),
-        delay=delays.init(delay_key, cfg.n_sync),
+        delay=delays.init(delay_key, n_sync),
         data=DataState(jnp.zeros((delays.num_shards,), jnp.int32)),
         clock=jnp.zeros((), jnp.float32),
     )
@@ -359,34 +379,25 @@ def _evaluate(eval_fn, state: SimState) -> dict[str, jax.Array]:
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn):
-    """``(state, data, key, hparams, local_lr, count) -> (state, per-update metrics, evaluation)``.
+def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int):
+    """``(state, data, key, hparams, local_lr) -> (state, per-update metrics, evaluation)`` over ``length`` updates.
 
-    Runs ``count <= cfg.chunk`` updates. The count is traced, so a run's last, shorter chunk uses the same compiled
-    program (a second compile cost as much as thousands of updates); the metrics have ``cfg.chunk`` rows, of which
-    the first ``count`` are filled.
+    ``length`` is static: a loop with a known trip count runs without asking the host whether to go on (on a GPU a
+    traced count cost a device-to-host round trip per update), so a run's last, shorter chunk compiles a program of
+    its own.
     """
 
-    def chunk(state, data, key, hparams, local_lr, count):
+    def chunk(state, data, key, hparams, local_lr):
         rule, delays = rule_fn(hparams), delays_fn(hparams)
         data_key, delay_key, model_key = _split_key(key)
         data_words = order.key_words(data_key)
         # Every update's keys in one vectorised PRNG call per chunk (on CPU each call inside the loop is a rolled
         # loop of its own); identical to folding t in step by step.
-        ts = state.server.version + jnp.arange(cfg.chunk, dtype=jnp.int32)
+        ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         step_keys = (fold(delay_key, ts), fold(model_key, ts) if cfg.mode == "sync" else None)
         step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k, model_key)
-        row = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
-        shapes = jax.eval_shape(lambda s, k: step(s, k)[1], state, row(step_keys, 0))
-        rows = jax.tree.map(lambda a: jnp.zeros((cfg.chunk, *a.shape), a.dtype), shapes)
-
-        def body(i, carry):
-            s, rows = carry
-            s, metrics = step(s, row(step_keys, i))
-            return s, jax.tree.map(lambda r, m: r.at[i].set(m), rows, metrics)
-
-        state, metrics = jax.lax.fori_loop(0, count, body, (state, rows))
+        state, metrics = jax.lax.scan(step, state, step_keys)
         if _live_slot(delays, cfg):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             state = state._replace(server=server.pull(state.server, 0))
         return state, metrics, _evaluate(eval_fn, state)
@@ -409,7 +420,7 @@ class _Program:
 
     cfg: _Config
     init: Callable  # (keys, hparams) -> SimState
-    chunk: Callable  # jitted (state, data, keys, hparams, local_lr, count) -> (state, metrics, evaluation)
+    chunk: Callable  # length -> jitted (state, data, keys, hparams, local_lr) -> (state, metrics, evaluation)
     evaluate: Callable  # state -> evaluation
     evaluates: bool  # an eval_fn was given
     data: Any  # on the device
@@ -441,17 +452,20 @@ def _program(loss_fn, rule_fn, params, data, *, hparams, batched, delays_fn, bat
     model_state = {} if model_state is None else model_state
 
     def init_one(key, hp):
-        return _init(rule_fn(hp), delays_fn(hp), cfg, params, model_state, key)
+        return init(rule_fn(hp), params, delays=delays_fn(hp), key=key, n_sync=cfg.n_sync, model_state=model_state)
 
-    chunk = _make_chunk(grad_fn, rule_fn, delays_fn, cfg, eval_fn)
-    if batched:
-        chunk = jax.vmap(chunk, in_axes=(0, None, 0, 0, None, None))
+    @functools.cache  # one program per chunk length: the full chunks', and the last one's if it is shorter
+    def chunk(length: int):
+        fn = _make_chunk(grad_fn, rule_fn, delays_fn, cfg, eval_fn, length)
+        if batched:
+            fn = jax.vmap(fn, in_axes=(0, None, 0, 0, None))
+        return jax.jit(fn, donate_argnums=0)
 
     evaluate = lambda s: _evaluate(eval_fn, s)
     return _Program(
         cfg=cfg,
         init=jax.jit(jax.vmap(init_one) if batched else init_one),
-        chunk=jax.jit(chunk, donate_argnums=0),
+        chunk=chunk,
         evaluate=jax.jit(jax.vmap(evaluate) if batched else evaluate),
         evaluates=eval_fn is not None,
         data=jax.tree.map(jnp.asarray, data),
@@ -501,9 +515,8 @@ def _run(program: _Program, *, keys, hparams, batched: bool, num_updates, checkp
     try:
         while done < num_updates:
             length = min(chunk_len, num_updates - done)
-            state, metrics, ev = compiled(state, data, keys, hparams, local_lr, np.int32(length))
-            filled = np.arange(length)  # the program's metrics have a row per update of a full chunk
-            chunks.append(jax.tree.map(lambda m, rows=filled: np.take(m, rows, axis=axis), jax.device_get(metrics)))
+            state, metrics, ev = compiled(length)(state, data, keys, hparams, local_lr)
+            chunks.append(jax.device_get(metrics))
             if ev:
                 evals.append(jax.device_get(ev))
             done += length
@@ -657,7 +670,7 @@ def lower(
         chunk_len=None if length is None else _positive_int("length", length),
     )  # fmt: skip
     state = jax.eval_shape(program.init, key, {})
-    return program.chunk.lower(state, program.data, key, {}, program.local_lr, np.int32(program.cfg.chunk))
+    return program.chunk(program.cfg.chunk).lower(state, program.data, key, {}, program.local_lr)
 
 
 def sweep(

@@ -211,8 +211,9 @@ def compare(name: str, wl, updates: int, chunks: int, repeats: int) -> dict[str,
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
-    """float32 GFLOP/s of one large matmul (the best of ``repeats``)."""
+def matmul_peak(repeats: int = 10) -> float:
+    """float32 GFLOP/s of one large matmul at JAX's default precision (the best of ``repeats``)."""
+    n = 2048 if jax.default_backend() == "cpu" else 8192
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
     jax.block_until_ready(mm(a, a))
@@ -263,7 +264,10 @@ def sweep_throughput(wl, updates: int, chunks: int, repeats: int) -> None:
         rows.setdefault("peak", []).append(matmul_peak())
     peak = statistics.median(rows.pop("peak"))
     print(f"[16-run sweep (4 seeds x 4 lambdas, DC-ASGD-a, Workers(8)) on W, {updates} updates each]")
-    print(f"  matmul peak (2048^3 float32): {peak:.1f} GFLOP/s; {flops / 1e6:.2f} MFLOP per update (XLA cost analysis)")
+    print(
+        f"  matmul peak (float32, default precision): {peak:.1f} GFLOP/s; "
+        f"{flops / 1e6:.2f} MFLOP per update (XLA cost analysis)"
+    )
     for name, values in rows.items():
         t = statistics.median(values)
         n = 1 if name == "floor x1" else runs
@@ -300,22 +304,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer updates and repeats")
     parser.add_argument("--only", nargs="+", default=None, help="W, L, cnn, sweep, memory")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every update count (e.g. 4 on a GPU)")
     args = parser.parse_args()
     repeats = 2 if args.quick else 3
-    scale = 2 if args.quick else 1
+    scale = (2 if args.quick else 1) / args.scale
     parts = args.only or ["W", "L", "cnn", "sweep", "memory"]
     print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), {repeats} repeats\n")
     w = mlp_workload((64, 256, 256, 10), 64)
     if "W" in parts:
-        compare("W: MLP 64-256-256-10", w, 3000 // scale, 10, repeats)
+        compare("W: MLP 64-256-256-10", w, int(3000 / scale), 10, repeats)
     if "L" in parts:
-        compare("L: MLP 64-1024-1024-10", mlp_workload((64, 1024, 1024, 10), 64), 600 // scale, 10, repeats)
+        compare("L: MLP 64-1024-1024-10", mlp_workload((64, 1024, 1024, 10), 64), int(600 / scale), 10, repeats)
     if "cnn" in parts:
-        compare("cnn on mnist1d", cnn_workload(32), 1200 // scale, 10, repeats)
+        compare("cnn on mnist1d", cnn_workload(32), int(1200 / scale), 10, repeats)
     if "sweep" in parts:
-        sweep_throughput(w, 1000 // scale, 10, repeats)
+        sweep_throughput(w, int(1000 / scale), 10, repeats)
     if "memory" in parts:
-        memory_versus_workers(w, [1, 8, 32, 128])
+        memory_versus_workers(w, [1, 8, 32, 64])
 
 
 if __name__ == "__main__":
