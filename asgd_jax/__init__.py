@@ -9,7 +9,26 @@ Example:
   >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=2.0, adaptive=True)
 """
 
-from asgd_jax import checkpoint, data, delays, loader, metrics, models, order, preprocess, server, store, trainer
+from asgd_jax import (
+    checkpoint,
+    data,
+    delays,
+    errors,
+    exchange,
+    loader,
+    metrics,
+    models,
+    order,
+    preprocess,
+    rules,
+    server,
+    session,
+    simulator,
+    store,
+    trainer,
+)
+from asgd_jax.errors import ConfigError
+from asgd_jax.exchange import Loss
 from asgd_jax.models import classification_eval, classification_loss
 from asgd_jax.rules import (
     ScaleByDelayCompensationState,
@@ -23,13 +42,17 @@ from asgd_jax.rules import (
     staleness_aware_sgd,
 )
 from asgd_jax.simulator import SimState, SimulationResult, grid, simulate, sweep
+from asgd_jax.trainer import TrainConfig, train
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
+    "Loss",
     "ScaleByDelayCompensationState",
     "SimState",
     "SimulationResult",
+    "TrainConfig",
     "asgd",
     "checkpoint",
     "classification_eval",
@@ -39,19 +62,25 @@ __all__ = [
     "delay_adaptive_sgd",
     "delays",
     "drop_stale",
+    "errors",
+    "exchange",
     "grid",
     "loader",
     "metrics",
     "models",
     "order",
     "preprocess",
+    "rules",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_staleness",
     "server",
+    "session",
     "simulate",
+    "simulator",
     "staleness_aware_sgd",
     "store",
     "sweep",
+    "train",
     "trainer",
 ]

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from asgd_jax import errors
+
 __all__ = ["load", "load_model", "save", "save_model"]
 
 _HEADER = "__header__"
@@ -58,13 +60,13 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
         arrays = {k[len("array_") :]: f[k] for k in f.files if k.startswith("array_")}
     template_leaves, treedef = jax.tree.flatten(template)
     if len(leaves) != len(template_leaves):
-        raise ValueError(
+        raise errors.ConfigError(
             f"Checkpoint {path} holds {len(leaves)} arrays but this run's state has {len(template_leaves)}: it was "
             "written by a different configuration. Use another checkpoint_dir or delete the old checkpoint."
         )
     for i, (got, want) in enumerate(zip(leaves, template_leaves, strict=True)):
         if got.shape != np.shape(want) or got.dtype != np.asarray(want).dtype:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"Checkpoint {path} leaf {i} is {got.dtype}{list(got.shape)} but this run needs "
                 f"{np.asarray(want).dtype}{list(np.shape(want))}: it was written by a different configuration."
             )
@@ -87,8 +89,8 @@ def load_model(path: str | os.PathLike, params: Any, model_state: Any = None) ->
     if os.path.isdir(path):
         path = os.path.join(path, "model.npz")
     if not os.path.exists(path):
-        raise ValueError(f"No saved model at {path}: give a model.npz, or a run folder of asgd-jax train.")
+        raise errors.ConfigError(f"No saved model at {path}: give a model.npz, or a run folder of asgd-jax train.")
     state, _, header = load(path, {"params": params, "model_state": model_state or {}})
     if header.get("kind") != "model":
-        raise ValueError(f"{path} is not a saved model (kind={header.get('kind')!r}): give a run's model.npz.")
+        raise errors.ConfigError(f"{path} is not a saved model (kind={header.get('kind')!r}): give a run's model.npz.")
     return state["params"], (state["model_state"] if model_state is not None else None)

@@ -20,12 +20,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from asgd_jax import errors
+
 __all__ = ["EMBEDDED", "Dataset", "DatasetNotPrepared", "load", "prepare", "tfds_source"]
 
 TFDS_DOCUMENTED = ("cifar10", "mnist", "fashion_mnist", "imagenet2012")
 
 
-class DatasetNotPrepared(ValueError):
+class DatasetNotPrepared(errors.ConfigError):
     """A TFDS dataset is not prepared in the data directory; the message gives the command that prepares it."""
 
 
@@ -126,7 +128,7 @@ EMBEDDED: dict[str, Callable[[int], Dataset]] = {"digits": _digits, "mnist1d": _
 def _parse_tfds(name: str) -> tuple[str, str | None]:
     parts = name.split(":")
     if len(parts) not in (2, 3) or not parts[1]:
-        raise ValueError(f"Dataset name {name!r} is invalid: use 'tfds:<name>' or 'tfds:<name>:<config>'.")
+        raise errors.ConfigError(f"Dataset name {name!r} is invalid: use 'tfds:<name>' or 'tfds:<name>:<config>'.")
     return parts[1], (parts[2] if len(parts) == 3 and parts[2] else None)
 
 
@@ -176,7 +178,7 @@ def tfds_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
     try:
         builder = tfds.builder(full, data_dir=data_dir)
     except Exception as e:  # an unknown name: TFDS's own message lists close matches
-        raise ValueError(f"TFDS has no dataset {full!r}: {e}") from None
+        raise errors.ConfigError(f"TFDS has no dataset {full!r}: {e}") from None
     _require_prepared(builder, name, data_dir)
     source = tfds.data_source(full, split=split, data_dir=data_dir, download=False)
     return source, builder.info
@@ -202,7 +204,7 @@ def _tfds_dataset(name: str, data_dir: str, train_split: str, test_split: str) -
     label_key = "label" if "label" in features else list(features)[-1]
     shape = getattr(features[image_key], "shape", None)
     if shape is None or None in tuple(shape):
-        raise ValueError(
+        raise errors.ConfigError(
             f"{name!r} has images of varying size {shape}: load() keeps datasets in memory and needs a fixed shape. "
             "Stream it instead (the trainer's host-side iterator)."
         )
@@ -247,12 +249,12 @@ def load(
         return _tfds_dataset(name, _default_data_dir(data_dir), train_split, test_split)
     if name not in EMBEDDED:
         known = ", ".join(sorted(EMBEDDED))
-        raise ValueError(
+        raise errors.ConfigError(
             f"Unknown dataset {name!r}. Embedded datasets: {known}; TFDS datasets: 'tfds:<name>' (e.g. "
             f"{', '.join('tfds:' + n for n in TFDS_DOCUMENTED)})."
         )
     if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r} is invalid: use a non-negative int.")
+        raise errors.ConfigError(f"seed={seed!r} is invalid: use a non-negative int.")
     return EMBEDDED[name](seed)
 
 
@@ -274,7 +276,7 @@ def prepare(
     try:
         builder = tfds.builder(full, data_dir=data_dir)
     except Exception as e:
-        raise ValueError(f"TFDS has no dataset {full!r}: {e}") from None
+        raise errors.ConfigError(f"TFDS has no dataset {full!r}: {e}") from None
     download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir) if manual_dir else None)
     builder.download_and_prepare(file_format="array_record", download_config=download_config)
     return builder.data_dir

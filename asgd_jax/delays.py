@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asgd_jax import errors
+
 __all__ = ["DelayModel", "Event", "FixedDelay", "RandomDelay", "Trace", "Workers"]
 
 COMPUTE_TIME_KINDS = ("exponential", "constant", "lognormal")
@@ -71,12 +73,12 @@ def _is_concrete(x: Any) -> bool:
 
 def _check_int(name: str, value: Any, lowest: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lowest:
-        raise ValueError(f"{name}={value!r} is invalid: {name} must be an int >= {lowest}.")
+        raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be an int >= {lowest}.")
 
 
 def _check_array(name: str, value: Any, ok, expected: str) -> None:
     if value is not None and _is_concrete(value) and not bool(np.all(ok(np.asarray(value)))):
-        raise ValueError(f"{name}={value!r} is invalid: {name} must be {expected}.")
+        raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be {expected}.")
 
 
 class Workers:
@@ -115,7 +117,7 @@ class Workers:
     def __post_init__(self):
         _check_int("num", self.num, 1)
         if self.compute_time not in COMPUTE_TIME_KINDS:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"compute_time={self.compute_time!r} is invalid: use one of {', '.join(COMPUTE_TIME_KINDS)}."
             )
         _check_array("mean_compute_time", self.mean_compute_time, lambda v: v > 0, "> 0")
@@ -126,7 +128,7 @@ class Workers:
         if self.speeds is not None and _is_concrete(self.speeds):
             speeds = np.asarray(self.speeds)
             if speeds.shape[-1:] != (self.num,) or not np.all(speeds > 0):
-                raise ValueError(
+                raise errors.ConfigError(
                     f"speeds={self.speeds!r} is invalid: give {self.num} positive speed factors, one per worker."
                 )
 
@@ -212,21 +214,25 @@ class Trace:
         if _is_concrete(ids):
             ids = np.asarray(ids)
             if ids.ndim != 1 or len(ids) == 0 or not np.issubdtype(ids.dtype, np.integer):
-                raise ValueError(f"worker_ids={self.worker_ids!r} is invalid: give a non-empty 1-D list of ints.")
+                raise errors.ConfigError(
+                    f"worker_ids={self.worker_ids!r} is invalid: give a non-empty 1-D list of ints."
+                )
             if ids.min() < 0:
-                raise ValueError(f"worker_ids contains {ids.min()}: worker ids must be >= 0.")
+                raise errors.ConfigError(f"worker_ids contains {ids.min()}: worker ids must be >= 0.")
             num = int(ids.max()) + 1 if self.num is None else self.num
             _check_int("num", num, 1)
             if ids.max() >= num:
-                raise ValueError(
+                raise errors.ConfigError(
                     f"worker_ids contains {ids.max()} but num={num}: ids must be < num (or leave num=None)."
                 )
             object.__setattr__(self, "num", int(num))
             object.__setattr__(self, "worker_ids", ids.astype(np.int32))
             if self.times is not None and np.shape(self.times) != ids.shape:
-                raise ValueError(f"times has shape {np.shape(self.times)}: give one time per worker id {ids.shape}.")
+                raise errors.ConfigError(
+                    f"times has shape {np.shape(self.times)}: give one time per worker id {ids.shape}."
+                )
         elif self.num is None:
-            raise ValueError("Trace(worker_ids=<traced>) needs num= given explicitly.")
+            raise errors.ConfigError("Trace(worker_ids=<traced>) needs num= given explicitly.")
 
     def __len__(self) -> int:
         return int(np.shape(self.worker_ids)[0])
@@ -262,9 +268,9 @@ class Trace:
                     workers.append(int(record["worker"]))
                     times.append(float(record.get("time", n)))
                 except (ValueError, KeyError) as e:
-                    raise ValueError(f"{path}:{n}: not a trace record with a 'worker' field ({e}).") from e
+                    raise errors.ConfigError(f"{path}:{n}: not a trace record with a 'worker' field ({e}).") from e
         if not workers:
-            raise ValueError(f"{path} holds no trace records.")
+            raise errors.ConfigError(f"{path} holds no trace records.")
         return cls(np.asarray(workers, np.int32), np.asarray(times, np.float32), num)
 
 

@@ -1,9 +1,9 @@
 """Host-side minibatches for one worker: its shard of every epoch, in the simulator's order, prefetched on a thread.
 
 A :class:`ShardLoader` is what a trainer's worker reads when the data does not live on the device: it walks the same
-layout as the simulator (:func:`asgd_jax.simulator.shard_indices` under the run's key), so worker w's k-th batch here is
-the simulator's worker w's k-th batch, which is what makes a recorded run replayable. Batches have a fixed shape (the
-remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` batches ready.
+layout as the simulator (:func:`asgd_jax.order.shard_indices` under the run's data key), so worker w's k-th batch
+here is the simulator's worker w's k-th batch, which is what makes a recorded run replayable. Batches have a fixed
+shape (the remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` batches ready.
 
 Example:
   >>> import numpy as np, jax, asgd_jax
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from asgd_jax import simulator
+from asgd_jax import errors, exchange, order
 
 __all__ = ["ShardLoader"]
 
@@ -58,15 +58,18 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
     ):
         self._arrays = isinstance(source, Mapping)
         n = len(next(iter(source.values()))) if self._arrays else len(source)
-        for name, value, lowest in (("num_workers", num_workers, 1), ("batch_size", batch_size, 1),
-                                    ("prefetch", prefetch, 1), ("start_batch", start_batch, 0)):  # fmt: skip
-            if not isinstance(value, int) or value < lowest:
-                raise ValueError(f"{name}={value!r} is invalid: use an int >= {lowest}.")
-        if not 0 <= worker < num_workers:
-            raise ValueError(f"worker={worker!r} is invalid: use an int in [0, {num_workers}).")
+        checks = (
+            ("num_workers", num_workers, 1),
+            ("batch_size", batch_size, 1),
+            ("prefetch", prefetch, 1),
+            ("start_batch", start_batch, 0),
+        )
+        for name, value, lowest in checks:
+            errors.int_at_least(name, value, lowest)
+        errors.require(0 <= worker < num_workers, "worker", worker, f"use an int in [0, {num_workers})")
         shard_size = n // num_workers
         if batch_size > shard_size:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"batch_size={batch_size} is larger than a shard: {n} examples over {num_workers} workers leaves "
                 f"{shard_size} per shard."
             )
@@ -87,7 +90,8 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         if cached_epoch != epoch:
             cpu = jax.devices("cpu")[0]
             key, epoch_arr = jax.device_put((self.key, np.int32(epoch)), cpu)  # explicit host -> CPU-device copy
-            shards = simulator.shard_indices(key, epoch_arr, self.num_examples, self.num_workers)
+            data_key = exchange.split_key(key)[0]
+            shards = order.shard_indices(data_key, epoch_arr, self.num_examples, self.num_workers)
             shard = jax.device_get(shards)[self.worker]  # explicit device -> host copy, then index on the host
             self._cache = (epoch, shard)
         return shard[k * self.batch_size : (k + 1) * self.batch_size]

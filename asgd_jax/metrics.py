@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from asgd_jax import errors
+
 __all__ = ["mean_std", "smooth", "staleness_histogram"]
 
 
@@ -18,7 +20,7 @@ def smooth(values: np.ndarray, window: int = 400) -> np.ndarray:
       array([1., 2., 4., 6.])
     """
     if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window={window!r} is invalid: use an int >= 1 (minibatches).")
+        raise errors.ConfigError(f"window={window!r} is invalid: use an int >= 1 (minibatches).")
     values = np.asarray(values, np.float64)
     csum = np.cumsum(values, axis=-1)
     shifted = np.zeros_like(csum)

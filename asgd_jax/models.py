@@ -17,16 +17,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
-from asgd_jax import preprocess
+from asgd_jax import errors, exchange, preprocess
 
 __all__ = [
     "MODELS",
     "Model",
+    "NnxModel",
     "accuracy",
     "classification_eval",
     "classification_loss",
     "cross_entropy",
+    "from_nnx",
     "get",
 ]
 
@@ -217,6 +220,80 @@ class Model:
         return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
 
 
+@dataclasses.dataclass(frozen=True)
+class NnxModel:
+    """A flax NNX module behind the same pure protocol as :class:`Model` (made by :func:`from_nnx`).
+
+    The module is split into its parameters (``nnx.Param``), its model state (``nnx.BatchStat``: what BatchNorm
+    updates in training) and the rest (random-number streams), and merged back for every call, so ``apply`` is a pure
+    function the engines can ``jit``, ``vmap`` and ship to workers.
+    """
+
+    name: str
+    factory: Callable[[nnx.Rngs], nnx.Module]
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    @functools.cached_property
+    def _skeleton(self) -> tuple[Any, Any, tuple[str, ...]]:
+        graphdef, _, _, rest = nnx.split(self.factory(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
+        flat = jax.tree_util.tree_leaves(rest, is_leaf=lambda v: isinstance(v, nnx.RngKey))
+        tags = tuple(sorted({v.tag for v in flat if isinstance(v, nnx.RngKey)}))
+        return graphdef, rest, tags
+
+    def init(self, key: jax.Array) -> tuple[Params, ModelState]:
+        """Builds the module with ``nnx.Rngs(key)``; returns ``(params, model_state)``."""
+        _, params, stats, _ = nnx.split(self.factory(nnx.Rngs(key)), nnx.Param, nnx.BatchStat, ...)
+        return params, stats
+
+    def apply(
+        self, params: Params, model_state: ModelState, x: jax.Array, train: bool = False, key: jax.Array | None = None
+    ) -> tuple[jax.Array, ModelState]:
+        """Returns ``(logits, new_model_state)``: the module merged, its streams reseeded with ``key``, in training or
+        evaluation mode, called, and its BatchNorm statistics split out again."""
+        graphdef, rest, tags = self._skeleton
+        module = nnx.merge(graphdef, params, model_state, jax.tree.map(lambda v: v, rest))
+        if key is not None and tags:
+            nnx.reseed(module, **dict.fromkeys(tags, key))
+        if train:
+            module.train()
+        else:
+            module.eval()
+        logits = module(x)
+        if not train:
+            return logits, model_state
+        _, _, new_state, _ = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+        return logits, new_state
+
+    def num_params(self, params: Params) -> int:
+        """Number of trainable scalars."""
+        return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
+
+
+def from_nnx(
+    factory: Callable[[nnx.Rngs], nnx.Module], *, input_shape: Sequence[int], num_classes: int, name: str = "nnx"
+) -> NnxModel:
+    """A flax NNX model for the simulator and the trainer: ``factory(rngs)`` builds the module (its ``__call__(x)``
+    returns logits; ``.train()`` / ``.eval()`` switch dropout and BatchNorm).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, asgd_jax
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.hidden, self.out = nnx.Linear(64, 32, rngs=rngs), nnx.Linear(32, 10, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return self.out(jax.nn.relu(self.hidden(x.reshape(x.shape[0], -1))))
+      >>> model = asgd_jax.models.from_nnx(Net, input_shape=(8, 8, 1), num_classes=10)
+      >>> params, state = model.init(jax.random.key(0))
+      >>> model.apply(params, state, jnp.zeros((5, 8, 8, 1)))[0].shape, model.num_params(params)
+      ((5, 10), 2410)
+    """
+    errors.require(callable(factory), "factory", factory, "give a function rngs -> nnx.Module")
+    errors.int_at_least("num_classes", num_classes, 2)
+    return NnxModel(name, factory, tuple(int(d) for d in input_shape), int(num_classes))
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": MLP,
     "cnn": CNN,
@@ -250,18 +327,22 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
       (5, 10)
     """
     if name not in MODELS:
-        raise ValueError(f"Unknown model {name!r}. Known models: {', '.join(sorted(MODELS))}.")
+        raise errors.ConfigError(f"Unknown model {name!r}. Known models: {', '.join(sorted(MODELS))}.")
     if not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes={num_classes!r} is invalid: use an int >= 2.")
+        raise errors.ConfigError(f"num_classes={num_classes!r} is invalid: use an int >= 2.")
     input_shape = tuple(int(d) for d in input_shape)
     if not input_shape or any(d < 1 for d in input_shape):
-        raise ValueError(f"input_shape={input_shape!r} is invalid: give the shape of one example, e.g. (8, 8, 1).")
+        raise errors.ConfigError(
+            f"input_shape={input_shape!r} is invalid: give the shape of one example, e.g. (8, 8, 1)."
+        )
     if name == "cnn" and len(input_shape) not in (2, 3):
-        raise ValueError(
+        raise errors.ConfigError(
             f"input_shape={input_shape!r} does not fit 'cnn': it takes (length, channels) or (height, width, channels)."
         )
     if name in ("resnet20", "resnet50", "convnet") and len(input_shape) != 3:
-        raise ValueError(f"input_shape={input_shape!r} does not fit {name!r}: it takes (height, width, channels).")
+        raise errors.ConfigError(
+            f"input_shape={input_shape!r} does not fit {name!r}: it takes (height, width, channels)."
+        )
     return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes)
 
 
@@ -275,8 +356,8 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return (jnp.argmax(logits, axis=-1) == labels).mean()
 
 
-def classification_loss(model: Model, *, augment: bool = False, padding: int = 4) -> Callable:
-    """The training loss of ``model`` in the simulator's stateful form.
+def classification_loss(model: Model | NnxModel, *, augment: bool = False, padding: int = 4) -> exchange.Loss:
+    """The training loss of ``model``, declared in the stateful form with auxiliary metrics.
 
     Args:
       model: the model.
@@ -286,6 +367,7 @@ def classification_loss(model: Model, *, augment: bool = False, padding: int = 4
       padding: the padding of the random crop.
 
     Returns:
+      An :class:`asgd_jax.exchange.Loss` (``has_model_state=True, has_aux=True``) of
       ``loss_fn(params, model_state, batch, key) -> (loss, (model_state, {"error": error}))`` for a batch
       ``{"x": inputs, "y": int labels}``; ``key`` drives dropout (and augmentation), ``error`` is the minibatch's
       training error.
@@ -310,11 +392,16 @@ def classification_loss(model: Model, *, augment: bool = False, padding: int = 4
             {"error": 1.0 - accuracy(logits, batch["y"])},
         )
 
-    return loss_fn
+    return exchange.Loss(loss_fn, has_model_state=True, has_aux=True)
 
 
 def classification_eval(
-    model: Model, data: dict[str, Any], batch_size: int = 1024, *, crop: int | None = None, multi_crop: bool = False
+    model: Model | NnxModel,
+    data: dict[str, Any],
+    batch_size: int = 1024,
+    *,
+    crop: int | None = None,
+    multi_crop: bool = False,
 ) -> Callable:
     """An ``eval_fn(params, model_state) -> {"loss", "error"}`` over a whole held-out split, in inference mode.
 
@@ -339,7 +426,7 @@ def classification_eval(
     x, y = jnp.asarray(data["x"]), jnp.asarray(data["y"])
     n = int(y.shape[0])
     if n == 0:
-        raise ValueError("classification_eval got an empty split: give at least one example.")
+        raise errors.ConfigError("classification_eval got an empty split: give at least one example.")
     size = min(batch_size, n)
     full = n // size
 

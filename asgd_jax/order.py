@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from asgd_jax import errors
+
 __all__ = ["example_index", "key_words", "shard_indices"]
 
 _ROUNDS = 4
@@ -56,7 +58,7 @@ def example_index(words: jax.Array, epoch: int | jax.Array, positions: jax.Array
       num_examples: N (static).
     """
     if num_examples < 1:
-        raise ValueError(f"num_examples={num_examples!r} is invalid: need at least one example.")
+        raise errors.ConfigError(f"num_examples={num_examples!r} is invalid: need at least one example.")
     half = max(1, ((num_examples - 1).bit_length() + 1) // 2)
     # Round keys of this epoch by integer hashing, not by a PRNG call: on CPU every threefry call is a rolled loop,
     # and this runs once per minibatch inside the simulator's scan.

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asgd_jax import errors
+
 __all__ = ["center_crop", "multi_crop_logits", "normalize", "random_crop_flip", "ten_crops"]
 
 
@@ -76,4 +78,4 @@ def multi_crop_logits(apply: Callable[[jax.Array], jax.Array], x: jax.Array, siz
 
 def _check_crop(size: int, h: int, w: int) -> None:
     if not isinstance(size, int) or not 1 <= size <= min(h, w):
-        raise ValueError(f"crop size={size!r} is invalid for {h}x{w} images: use an int in [1, {min(h, w)}].")
+        raise errors.ConfigError(f"crop size={size!r} is invalid for {h}x{w} images: use an int in [1, {min(h, w)}].")

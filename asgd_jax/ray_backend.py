@@ -1,6 +1,6 @@
 """The trainer on Ray: the parameter store as an actor, each worker an actor, exchanging through Ray's object store.
 
-Same semantics as the threaded trainer (:mod:`asgd_jax.trainer`): the store actor wraps the very same
+Same semantics as the threaded backend (:mod:`asgd_jax.threads`): the store actor wraps the very same
 :class:`~asgd_jax.store.ParameterStore` (the simulator's server step, the trace, checkpoints), and a worker actor runs
 the same jitted exchange-period function on the same minibatch order, so the recorded ``trace.jsonl`` replays in the
 simulator. What Ray adds is processes and machines:
@@ -24,24 +24,25 @@ simulator. What Ray adds is processes and machines:
 
 Example (a local Ray instance; ``ray start --head`` and ``ray_address="auto"`` for a cluster)::
 
-    result = asgd_jax.trainer.train(loss, rule, params, data, num_workers=4, steps=1000, backend="ray")
+    config = asgd_jax.trainer.TrainConfig(workers=4, num_updates=1000, backend="ray")
+    result = asgd_jax.trainer.train(loss, rule, params, data, config)
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
 import jax
 
-from asgd_jax import simulator, trainer
+from asgd_jax import errors, exchange, session
 from asgd_jax.loader import ShardLoader
-from asgd_jax.store import BadPush, ParameterStore, StoreClosed
+from asgd_jax.session import TrainConfig
+from asgd_jax.store import BadPush, ParameterStore, StaleRound, StoreClosed
 
-__all__ = ["require_ray", "train_ray"]
+__all__ = ["StoreActor", "WorkerActor", "require_ray", "run"]
 
 log = logging.getLogger("asgd_jax.ray")
 
@@ -53,7 +54,9 @@ def require_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError(f"backend='ray' needs Ray, which is not installed: {INSTALL}") from None
+        raise errors.ConfigError(
+            f"backend='ray' (--backend ray) needs Ray, which is not installed: {INSTALL}"
+        ) from None
     return ray
 
 
@@ -69,10 +72,6 @@ class StoreActor:
         self.store = ParameterStore(rule, params, num_workers, on_snapshot=self._snapshot, **kwargs)
         self.store.warm_up()
         self.mode, self.M = mode, num_workers
-        # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
-        self._round: dict[int, tuple] = {}
-        self._round_no, self._answer, self._aborted = 0, None, None
-        self._cv = threading.Condition()
 
     def _snapshot(self, version: int, params, model_state) -> None:
         self._snapshots.append((version, params, model_state))  # host copies already (the applier hands them out)
@@ -86,44 +85,19 @@ class StoreActor:
         return (*host, version, int(self.store.done[source]))
 
     def push_sync(self, worker: int, payload, version: int, model_state, loss: float | None = None):
-        """SSGD: waits for every worker's payload of this round, applies their mean once (as worker 0) and gives all of
-        them the same answer: ``("ok", weights)``, ``("resync", why)`` (computed on other weights than the store's,
-        e.g. after a store restart) or ``("closed", why)``."""
-        with self._cv:
-            if self._aborted is not None:
-                return "closed", self._aborted
-            if version != self.store.version:
-                return "resync", f"computed at version {version}, the store is at {self.store.version}"
-            if loss is not None:
-                self._losses.append(loss)
-            self._round[worker] = (payload, model_state)
-            number = self._round_no
-            if len(self._round) == self.M:  # the last one in applies the round
-                payloads = [self._round[w] for w in range(self.M)]  # worker order: the threaded trainer's sum
-                mean = trainer._mean_tree([p for p, _ in payloads])
-                ms = trainer._mean_tree([m for _, m in payloads]) if payloads[0][1] is not None else None
-                try:
-                    self._answer = "ok", self.store.push(0, mean, version, ms).result()
-                    if self.store.closed:  # that was the last round: nobody computes another one
-                        self._answer = "closed", "the store reached its number of updates"
-                except StoreClosed as e:
-                    self._answer = "closed", str(e)
-                except BadPush as e:  # a non-finite mean: skipped; the next round starts from the same weights
-                    log.warning("sync step: %s", e)
-                    params, model_state, at = self.store.backup(0)
-                    self._answer = "ok", (*jax.device_get((params, model_state)), at)
-                self._round, self._round_no = {}, number + 1
-                self._cv.notify_all()
-            else:
-                self._cv.wait_for(lambda: self._round_no != number or self._aborted is not None)
-                if self._round_no == number:
-                    return "closed", self._aborted
-            return self._answer
-
-    def _abort_rounds(self, why: str) -> None:
-        with self._cv:
-            self._aborted = why
-            self._cv.notify_all()
+        """SSGD: :meth:`ParameterStore.push_round`, answered as ``("ok", weights)``, ``("resync", why)`` (computed on
+        other weights than the store's, e.g. after a store restart) or ``("closed", why)``."""
+        if loss is not None:
+            self._losses.append(loss)
+        try:
+            answer = self.store.push_round(worker, payload, version, model_state)
+        except StaleRound as e:
+            return "resync", str(e)
+        except StoreClosed as e:
+            return "closed", str(e)
+        if self.store.closed:  # that was the last round: nobody computes another one
+            return "closed", "the store reached its number of updates"
+        return "ok", answer
 
     def push(self, worker: int, payload, version: int, model_state, loss: float | None = None):
         """Applies a push; returns ``("ok", (params, model_state, version))``, ``("rejected", why)`` or
@@ -139,11 +113,7 @@ class StoreActor:
         return "ok", result
 
     def status(self) -> dict[str, Any]:
-        s = self.store
-        return {"applied": s.applied, "rejected": s.rejected, "late": s.late, "received": s.received,
-                "closed": s.closed, "error": None if s.error is None else str(s.error),
-                "resumed_from": s.resumed_from, "done": [int(d) for d in s.done],
-                "staleness_counts": dict(s.staleness_counts)}  # fmt: skip
+        return self.store.status()
 
     def progress(self) -> tuple[dict[str, Any], list[float], list[tuple]]:
         """The status, the losses pushed since the last call and the snapshots taken since then (both handed over)."""
@@ -153,7 +123,6 @@ class StoreActor:
 
     def close(self):
         """Closes the store (final checkpoint); returns :meth:`progress` and the final weights."""
-        self._abort_rounds("the store was closed")
         self.store.close()
         final = self.store.state()
         return self.progress(), final.params, final.model_state
@@ -167,13 +136,13 @@ class WorkerActor:
         self.stateful = config["stateful"]
         self.slowdown = config["slowdown"].get(worker, 1.0)
         self.mode = config["mode"]
-        self.work = trainer.make_work(loss_fn, config["cfg"], self.mode, config["num_workers"], config["local_lr"])
+        self.work = exchange.worker_function(loss_fn, config["ex"], config["num_workers"], config["local_lr"])
         devices = jax.devices()[: config["devices_per_worker"]]
         if len(devices) < config["devices_per_worker"]:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"worker {worker} sees {len(jax.devices())} device(s), needs {config['devices_per_worker']}."
             )
-        self.group = trainer._Group(devices, simulator._split_key(config["key"])[2])
+        self.group = session.DeviceGroup(devices, exchange.split_key(config["key"])[2])
 
     def _sync(self, ray, patience: float = 120.0):
         """What the store knows about this worker, and a loader at its data position (waits out a store restart)."""
@@ -187,8 +156,14 @@ class WorkerActor:
                     raise
                 time.sleep(0.5)
         c = self.c
-        loader = ShardLoader(self.data, worker=self.w, num_workers=c["num_workers"], batch_size=c["batch_size"],
-                             key=c["key"], start_batch=position * c["n_sync"])  # fmt: skip
+        loader = ShardLoader(
+            self.data,
+            worker=self.w,
+            num_workers=c["num_workers"],
+            batch_size=c["batch_size"],
+            key=c["key"],
+            start_batch=position * c["n_sync"],
+        )
         return params, model_state, version, loader
 
     def ping(self) -> int:
@@ -198,7 +173,7 @@ class WorkerActor:
         """Compiles the exchange-period function on a minibatch of this worker's, before the driver starts the clock."""
         params, model_state, version, loader = self._sync(require_ray())
         try:
-            batches = trainer._stack([loader.batch(0)] * self.c["n_sync"])
+            batches = session.stack_batches([loader.batch(0)] * self.c["n_sync"])
             jax.block_until_ready(self.work(*self.group.place(self.w, params, model_state, batches, version)))
         finally:
             loader.close()
@@ -211,7 +186,7 @@ class WorkerActor:
         stats = {"pushes": 0, "compute": 0.0, "exchange": 0.0, "losses": []}
         try:
             while True:
-                batches = trainer._stack([next(loader) for _ in range(c["n_sync"])])
+                batches = session.stack_batches([next(loader) for _ in range(c["n_sync"])])
                 t0 = time.perf_counter()
                 out = self.work(*self.group.place(self.w, params, model_state, batches, version))
                 payload, new_ms, loss = jax.device_get(out[:3])
@@ -270,188 +245,233 @@ def _actor_errors(ray) -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def train_ray(loss_fn, rule, params, data, *, num_workers, steps, mode, batch_size, key, model_state, n_sync, push,
-              local_learning_rate, devices_per_worker, out_dir, checkpoint_every, resume, eval_fn, eval_every,
-              eval_device, on_worker_failure, on_nonfinite, max_restarts, ray_address, timeout, num_examples,
-              shard_size, slowdown, log_every, progress):  # fmt: skip
-    """The Ray backend of :func:`asgd_jax.trainer.train` (arguments already validated there)."""
+def run(
+    loss: exchange.Loss,
+    rule,
+    params,
+    data,
+    config: TrainConfig,
+    *,
+    ex: exchange.Exchange,
+    model_state,
+    eval_fn,
+    eval_device,
+    header: dict[str, Any],
+) -> session.TrainResult:
+    """One session of the Ray backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     ray = require_ray()
     if not ray.is_initialized():
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    stateful = model_state is not None
-    out = None if out_dir is None else os.path.abspath(os.fspath(out_dir))
-    if out is not None and os.path.exists(os.path.join(out, "checkpoint.npz")) and not resume:
-        raise ValueError(f"{out} already holds a checkpoint: pass resume=True (--resume) to continue that run, or "
-                         "choose another output folder.")  # fmt: skip
-    header = {"mode": mode, "n_sync": n_sync, "batch_size": batch_size, "push": push,
-              "key": simulator._key_fingerprint(key)}  # fmt: skip
-    here = ray.get_runtime_context().get_node_id()
-    pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-    run_id = os.urandom(4).hex()
-    store = (
-        ray.remote(StoreActor)
-        .options(
-            name=f"asgd-jax/{run_id}/store",
-            num_cpus=0,
-            max_concurrency=num_workers + 8,
-            max_restarts=-1 if out else 0,
-            max_task_retries=0,
-            scheduling_strategy=pin,
+        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    out = None if config.out is None else os.path.abspath(config.out)
+    if out is not None and os.path.exists(os.path.join(out, session.CHECKPOINT)) and not config.resume:
+        raise errors.ConfigError(
+            f"out={out!r} (--out) already holds a checkpoint: pass resume=True (--resume) to continue that run, or "
+            "choose another output folder."
         )
-        .remote(
-            rule,
-            jax.device_get(params),
-            num_workers,
-            {
-                "model_state": jax.device_get(model_state),
-                "max_updates": steps,
-                "out_dir": out,
-                "on_nonfinite": on_nonfinite,
-                "checkpoint_dir": out,
-                "checkpoint_every": checkpoint_every,
-                "resume": out is not None,
-                "header": header,
-                "snapshot_every": eval_every,
-            },
-            mode,
+    driver = _Driver(ray, config, out, eval_fn, eval_device, params, model_state)
+    driver.start(loss, rule, params, data, ex, model_state, header)
+    return driver.go()
+
+
+class _Driver:
+    """The driver's side of a Ray session: the actors, the progress bar, metrics.jsonl, the evaluator, failures."""
+
+    def __init__(self, ray, config: TrainConfig, out, eval_fn, eval_device, params, model_state):
+        self.ray, self.c, self.out, self.M = ray, config, out, config.workers
+        self.run_id = os.urandom(4).hex()
+        self.metrics = session.MetricsLog(self.M)
+        self.evaluator = None
+        if eval_fn is not None:  # on the driver (its CPU by default), so that the workers keep the GPUs
+            self.evaluator = session.Evaluator(eval_fn, eval_device or jax.devices("cpu")[0], self.metrics.write)
+            self.evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
+        self.failures: dict[int, str] = {}
+        self.stats: dict[int, dict[str, Any]] = {}
+        self.losses: list[float] = []
+        self.status: dict[str, Any] = {}
+
+    def start(self, loss, rule, params, data, ex, model_state, header) -> None:
+        """The store actor (pinned to this node: the output folder is this machine's) and the worker actors, all
+        compiled before the clock starts."""
+        ray, c = self.ray, self.c
+        here = ray.get_runtime_context().get_node_id()
+        pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+        store_kwargs = {
+            "model_state": jax.device_get(model_state),
+            "max_updates": c.num_updates,
+            "out_dir": self.out,
+            "on_nonfinite": c.on_nonfinite,
+            "checkpoint_dir": self.out,
+            "checkpoint_every": c.checkpoint_interval(),
+            "resume": self.out is not None,
+            "header": header,
+            "snapshot_every": c.eval_interval() if self.evaluator else None,
+        }
+        self.store = (
+            ray.remote(StoreActor)
+            .options(
+                name=f"asgd-jax/{self.run_id}/store",
+                num_cpus=0,
+                max_concurrency=self.M + 8,
+                max_restarts=-1 if self.out else 0,
+                max_task_retries=0,
+                scheduling_strategy=pin,
+            )
+            .remote(rule, jax.device_get(params), self.M, store_kwargs, c.mode)
         )
-    )
-    gpus = ray.cluster_resources().get("GPU", 0) > 0
-    resources = {"num_gpus": devices_per_worker} if gpus else {"num_cpus": 1}
-    config = {"cfg": simulator._Config(mode, n_sync, push, batch_size, num_examples, shard_size, stateful, 1),
-              "num_workers": num_workers, "local_lr": local_learning_rate, "devices_per_worker": devices_per_worker,
-              "key": key, "batch_size": batch_size, "n_sync": n_sync, "stateful": stateful,
-              "slowdown": slowdown, "mode": mode}  # fmt: skip
-    data_ref = ray.put(data)
-    Worker = ray.remote(WorkerActor)
-    workers = {
-        w: Worker.options(name=f"asgd-jax/{run_id}/worker-{w}", max_restarts=max_restarts, max_task_retries=0,
-                          **resources).remote(w, store, loss_fn, data_ref, config)
-        for w in range(num_workers)
-    }  # fmt: skip
-    # The driver evaluates (off the workers' GPUs by default), writes metrics.jsonl and draws the progress bar.
-    metrics = trainer._Metrics(num_workers)
-    evaluator = None
-    if eval_fn is not None:
-        evaluator = trainer._Evaluator(eval_fn, eval_device or jax.devices("cpu")[0], metrics.write)
-        evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
-    status = ray.get(store.status.remote())  # also waits for the store to be up (and resumed)
-    for ref in [actor.warm_up.remote() for actor in workers.values()]:  # compiled before the clock starts
-        try:
-            ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:  # its run() fails the same way
-            log.warning("a worker's warm-up failed: %s", e)
-    if out is not None:
-        os.makedirs(out, exist_ok=True)
-    metrics.open(out, append=bool(status["resumed_from"]), applied=status["applied"], pushes=status["done"],
-                 staleness_counts=status["staleness_counts"])  # fmt: skip
-    start = time.perf_counter()
-    metrics.restart_clock(start)
-    running = {workers[w].run.remote(): w for w in workers}
-    restarts = dict.fromkeys(workers, 0)
-    failures: dict[int, str] = {}
-    stats: dict[int, dict[str, Any]] = {}
-    from tqdm.auto import tqdm
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        resources = {"num_gpus": c.devices_per_worker} if gpus else {"num_cpus": 1}
+        worker_config = {
+            "ex": ex,
+            "num_workers": self.M,
+            "local_lr": c.local_lr,
+            "key": c.key(),
+            "devices_per_worker": c.devices_per_worker,
+            "batch_size": c.batch_size,
+            "n_sync": ex.n_sync,
+            "stateful": model_state is not None,
+            "slowdown": c.slowdown,
+            "mode": c.mode,
+        }
+        data_ref = ray.put(data)
+        actor = ray.remote(WorkerActor)
+        self.workers = {
+            w: actor.options(
+                name=f"asgd-jax/{self.run_id}/worker-{w}", max_restarts=c.max_restarts, max_task_retries=0, **resources
+            ).remote(w, self.store, loss, data_ref, worker_config)
+            for w in range(self.M)
+        }
+        self.status = ray.get(self.store.status.remote())  # also waits for the store to be up (and resumed)
+        for ref in [a.warm_up.remote() for a in self.workers.values()]:  # compiled before the clock starts
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:  # its run() fails the same way
+                log.warning("a worker's warm-up failed: %s", e)
+        if self.out is not None:
+            os.makedirs(self.out, exist_ok=True)
+        self.metrics.open(
+            self.out,
+            append=bool(self.status["resumed_from"]),
+            applied=self.status["applied"],
+            pushes=self.status["done"],
+            staleness_counts=self.status["staleness_counts"],
+        )
 
-    bar = tqdm(total=steps, initial=status["applied"], disable=not progress, unit="update",
-               desc=f"{mode} x{num_workers} (ray)", dynamic_ncols=True)  # fmt: skip
-    losses: list[float] = []
-    interrupted = False
+    def _take(self, polled) -> None:
+        """A poll of the store: its status, the losses since the last poll, snapshots for the evaluator."""
+        self.status, new_losses, snapshots = polled
+        self.losses.extend(new_losses)
+        for snapshot in snapshots if self.evaluator is not None else ():
+            self.evaluator.submit(*snapshot)
 
-    def take(polled) -> None:
-        """Hands a poll's snapshots to the evaluator and writes a metrics record when one is due."""
-        nonlocal status
-        status, new_losses, snapshots = polled
-        losses.extend(new_losses)
-        for snapshot in snapshots if evaluator is not None else ():
-            evaluator.submit(*snapshot)
+    def _record(self, final: bool = False) -> dict[str, Any]:
+        s = self.status
+        record = self.metrics.record(
+            applied=s["applied"],
+            rejected=s["rejected"],
+            elapsed=time.perf_counter() - self.start_time,
+            pushes=s["done"],
+            new_losses=self.losses,
+            staleness_counts=s["staleness_counts"],
+            final=final,
+        )
+        self.losses = []
+        return record
 
-    def log_record(final: bool = False) -> None:
-        record = metrics.record(
-            applied=status["applied"], rejected=status["rejected"], elapsed=time.perf_counter() - start,
-            pushes=status["done"], new_losses=losses, staleness_counts=status["staleness_counts"], final=final,
-        )  # fmt: skip
-        losses.clear()
-        metrics.write(record)
-        bar.update(status["applied"] - bar.n)
-        if record["loss"] is not None:
-            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+    def _failed(self, w: int, error: BaseException, running: dict) -> None:
+        """A worker actor died: restart it (it re-syncs from the store), drop it, or stop the run."""
+        ray, c = self.ray, self.c
+        self.failures[w] = f"{type(error).__name__}: {error}"[:500]
+        log.error("worker %d failed: %s", w, self.failures[w])
+        if c.on_worker_failure != "stop" and self.restarts[w] < c.max_restarts and _alive(ray, self.workers[w]):
+            self.restarts[w] += 1  # Ray restarted the actor; in SSGD it rejoins its round
+            log.warning("worker %d restarted (%d of %d)", w, self.restarts[w], c.max_restarts)
+            running[self.workers[w].run.remote()] = w
+        elif c.on_worker_failure == "stop" or c.mode == "sync":  # SSGD cannot go on without a worker
+            ray.get(self.store.close.remote())
 
-    deadline = start + timeout
-    next_log = start + log_every
-    try:
-        while running and time.perf_counter() < deadline:
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=min(0.25, log_every))
+    def _loop(self, bar) -> bool:
+        """Watches the workers and polls the store until the workers are done; True at the deadline."""
+        ray = self.ray
+        running = {self.workers[w].run.remote(): w for w in self.workers}
+        self.restarts = dict.fromkeys(self.workers, 0)
+        deadline, next_log = self.start_time + self.c.timeout, self.start_time + self.c.log_every
+        while running:
+            if time.perf_counter() >= deadline:
+                return True
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=min(0.25, self.c.log_every))
             for ref in ready:
                 w = running.pop(ref)
                 try:
-                    stats[w] = _merge(stats.get(w), ray.get(ref))
+                    self.stats[w] = _merge(self.stats.get(w), ray.get(ref))
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                    failures[w] = f"{type(e).__name__}: {e}"[:500]
-                    log.error("worker %d failed: %s", w, failures[w])
-                    if on_worker_failure != "stop" and restarts[w] < max_restarts and _alive(ray, workers[w]):
-                        restarts[w] += 1  # Ray restarted the actor; it re-syncs from the store (in SSGD it rejoins
-                        log.warning("worker %d restarted (%d of %d)", w, restarts[w], max_restarts)  # its round)
-                        running[workers[w].run.remote()] = w
-                    elif on_worker_failure == "stop" or mode == "sync":  # SSGD cannot go on without a worker
-                        ray.get(store.close.remote())
+                    self._failed(w, e, running)
             try:
-                take(ray.get(store.progress.remote()))
+                self._take(ray.get(self.store.progress.remote()))
             except _actor_errors(ray):  # the store is restarting from its checkpoint: poll again later
                 continue
             if time.perf_counter() >= next_log:
-                next_log += log_every
-                log_record()
-    except KeyboardInterrupt:
-        interrupted = True
-        log.warning("interrupted: stopping the workers and writing a final checkpoint")
-    finally:
-        try:
-            polled, final_params, final_ms = ray.get(store.close.remote())
-        finally:
-            for actor in workers.values():
-                ray.kill(actor)
-            ray.kill(store)
-            bar.close()
-    seconds = time.perf_counter() - start
-    take(polled)
-    evals = []
-    if evaluator is not None:
-        evaluator.close()
-        if not evaluator.history or evaluator.history[-1]["update"] != status["applied"]:
-            evaluator.submit(status["applied"], final_params, final_ms)
-            evaluator.close()
-        evals = evaluator.history
-    if out is not None:
-        from asgd_jax import checkpoint
+                next_log += self.c.log_every
+                record = self._record()
+                self.metrics.write(record)
+                bar.update(self.status["applied"] - bar.n)
+                if record["loss"] is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        return False
 
-        checkpoint.save_model(os.path.join(out, trainer.MODEL), final_params, final_ms)
-        log_record(final=True)
-    metrics.close()
-    if interrupted:
-        raise KeyboardInterrupt(f"training interrupted at update {status['applied']}; resume=True continues")
-    if status["error"] is not None:
-        raise RuntimeError(f"training stopped: {status['error']}")
-    return trainer.TrainResult(
-        params=final_params,
-        model_state=final_ms,
-        pushes_sent=status["received"],
-        pushes_applied=status["applied"],
-        pushes_rejected=status["rejected"],
-        pushes_late=status["late"],
-        failures=failures,
-        trace_path=None if out is None else os.path.join(out, "trace.jsonl"),
-        checkpoint_path=None if out is None else os.path.join(out, "checkpoint.npz"),
-        metrics_path=None if out is None else os.path.join(out, trainer.METRICS),
-        seconds=seconds,
-        losses={w: s["losses"] for w, s in stats.items()},
-        workers=[trainer.WorkerStats(pushes=s["pushes"], compute=s["compute"], exchange=s["exchange"],
-                                     total=s["compute"] + s["exchange"]) for s in
-                 (stats.get(w, {"pushes": 0, "compute": 0.0, "exchange": 0.0}) for w in range(num_workers))],
-        evals=evals,
-        resumed_from=status["resumed_from"],
-        staleness_counts=dict(sorted(status["staleness_counts"].items())),
-    )  # fmt: skip
+    def go(self) -> session.TrainResult:
+        from tqdm.auto import tqdm
+
+        ray, interrupted, timed_out = self.ray, False, False
+        self.start_time = time.perf_counter()
+        self.metrics.restart_clock(self.start_time)
+        bar = tqdm(
+            total=self.c.num_updates,
+            initial=self.status["applied"],
+            disable=not self.c.progress,
+            unit="update",
+            desc=f"{self.c.mode} x{self.M} (ray)",
+            dynamic_ncols=True,
+        )
+        try:
+            timed_out = self._loop(bar)
+        except KeyboardInterrupt:
+            interrupted = True
+            log.warning("interrupted: stopping the workers and writing a final checkpoint")
+        finally:
+            try:
+                polled, final_params, final_ms = ray.get(self.store.close.remote())
+            finally:
+                for actor in self.workers.values():
+                    ray.kill(actor)
+                ray.kill(self.store)
+                bar.close()
+        seconds = time.perf_counter() - self.start_time
+        self._take(polled)
+        stats = [self.stats.get(w, {"pushes": 0, "compute": 0.0, "exchange": 0.0, "losses": []}) for w in range(self.M)]
+        outcome = session.Outcome(
+            params=final_params,
+            model_state=final_ms,
+            status=self.status,
+            failures=self.failures,
+            seconds=seconds,
+            losses={w: s["losses"] for w, s in self.stats.items()},
+            workers=[
+                session.WorkerStats(
+                    pushes=s["pushes"], compute=s["compute"], exchange=s["exchange"], total=s["compute"] + s["exchange"]
+                )
+                for s in stats
+            ],
+            interrupted=interrupted,
+            timed_out=timed_out,
+        )
+        return session.finish(
+            outcome,
+            out_dir=self.out,
+            metrics=self.metrics,
+            evaluator=self.evaluator,
+            final_record=lambda: self._record(final=True),
+            summary={},
+        )
 
 
 def _merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,8 @@ come from optax itself.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,12 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from asgd_jax import errors
+
 __all__ = [
+    "RULES",
     "ScaleByDelayCompensationState",
     "asgd",
     "dc_asgd",
     "delay_adaptive_sgd",
     "drop_stale",
+    "get",
+    "defaults",
+    "names",
+    "register",
+    "required",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_staleness",
@@ -46,42 +56,47 @@ def _is_concrete(value: Any) -> bool:
     return not isinstance(value, jax.core.Tracer)
 
 
-def _require(name: str, value: Any, ok: bool, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: {name} must be {expected}.")
+def _check(name: str, value: Any, ok, expected: str) -> None:
+    """Checks a numeric hyperparameter that may be an array, unless it is traced."""
+    if not _is_concrete(value):
+        return
+    numeric = isinstance(value, int | float | np.number | np.ndarray | jax.Array) and not isinstance(value, bool)
+    v = np.asarray(value) if numeric else None
+    good = numeric and np.issubdtype(v.dtype, np.number) and bool(np.all(np.isfinite(v) & ok(v)))
+    errors.require(good, name, value, f"{name} must be a finite number {expected}")
 
 
 def _check_nonnegative(name: str, value: Any) -> None:
-    if _is_concrete(value):
-        _require(name, value, bool(np.all(np.asarray(value) >= 0)), ">= 0")
+    _check(name, value, lambda v: v >= 0, ">= 0")
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if _is_concrete(value):
-        _require(name, value, bool(np.all(np.asarray(value) > 0)), "> 0")
+    _check(name, value, lambda v: v > 0, "> 0")
 
 
 def _check_decay(name: str, value: Any) -> None:
-    if _is_concrete(value):
-        v = np.asarray(value)
-        _require(name, value, bool(np.all((v >= 0) & (v < 1))), "in [0, 1)")
+    _check(name, value, lambda v: (v >= 0) & (v < 1), "in [0, 1)")
 
 
 def _check_num_workers(name: str, value: Any, *, static: bool) -> None:
     if static and not (isinstance(value, int) and not isinstance(value, bool)):
-        raise ValueError(
+        raise errors.ConfigError(
             f"{name}={value!r} is invalid: it sets the shape of the per-worker state, so it must be a Python int "
             f"(under optax.inject_hyperparams pass static_args=({name!r},))."
         )
-    if _is_concrete(value):
-        _require(name, value, bool(np.all(np.asarray(value) >= 1)), ">= 1")
+    _check(name, value, lambda v: v >= 1, ">= 1")
+
+
+def _check_learning_rate(learning_rate: Any) -> None:
+    if callable(learning_rate):  # an optax schedule
+        return
+    _check("learning_rate", learning_rate, lambda v: v >= 0, ">= 0 (or an optax schedule)")
 
 
 def _sgd(learning_rate: ScalarOrSchedule, momentum: float | None, nesterov: bool) -> optax.GradientTransformation:
     if momentum is not None:
         _check_decay("momentum", momentum)
-    if _is_concrete(learning_rate) and not callable(learning_rate):
-        _check_nonnegative("learning_rate", learning_rate)
+    _check_learning_rate(learning_rate)
     return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
 
@@ -414,3 +429,136 @@ def drop_stale(max_staleness: int | jax.Array) -> optax.GradientTransformationEx
     """
     _check_nonnegative("max_staleness", max_staleness)
     return _scale_by(lambda tau: (tau <= max_staleness).astype(jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The registry: every rule by name, for the command line, the studies and the notebooks.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _named_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False):
+    """Sequential SGD: the ``asgd`` rule, named for runs with one worker (or a reference)."""
+    return asgd(learning_rate, momentum=momentum, nesterov=nesterov)
+
+
+def _named_dc_asgd_c(
+    learning_rate: ScalarOrSchedule,
+    lam: float | jax.Array = 0.04,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+):
+    """DC-ASGD-c: :func:`dc_asgd` with a constant lambda (paper: 0.04)."""
+    return dc_asgd(learning_rate, lam, momentum=momentum, nesterov=nesterov)
+
+
+def _named_dc_asgd_a(
+    learning_rate: ScalarOrSchedule,
+    lam: float | jax.Array = 2.0,
+    *,
+    mean_square_decay: float | jax.Array = 0.95,
+    eps: float | jax.Array = 1e-7,
+    num_workers: int | None = None,
+    momentum: float | None = None,
+    nesterov: bool = False,
+):
+    """DC-ASGD-a: :func:`dc_asgd` with the adaptive lambda (paper: lambda_0 = 2, m = 0.95)."""
+    return dc_asgd(
+        learning_rate,
+        lam,
+        adaptive=True,
+        mean_square_decay=mean_square_decay,
+        eps=eps,
+        num_workers=num_workers,
+        momentum=momentum,
+        nesterov=nesterov,
+    )
+
+
+RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
+    "sgd": _named_sgd,
+    "asgd": asgd,
+    "dc_asgd": dc_asgd,
+    "dc_asgd_c": _named_dc_asgd_c,
+    "dc_asgd_a": _named_dc_asgd_a,
+    "staleness_aware": staleness_aware_sgd,
+    "delay_adaptive": delay_adaptive_sgd,
+}
+"""Every rule by name: ``factory(learning_rate, **hyperparameters)``; :func:`get` builds one, :func:`register` adds
+one."""
+
+
+def names() -> list[str]:
+    """The names :func:`get` knows, in registration order."""
+    return list(RULES)
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """The hyperparameters of rule ``name`` (besides the learning rate) and their defaults (``None``: required or
+    off).
+
+    Example:
+      >>> import asgd_jax
+      >>> asgd_jax.rules.defaults("dc_asgd_c")
+      {'lam': 0.04, 'momentum': None, 'nesterov': False}
+    """
+    factory = _factory(name)
+    params = list(inspect.signature(factory).parameters.values())[1:]
+    return {p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params}
+
+
+def required(name: str) -> list[str]:
+    """The hyperparameters rule ``name`` cannot do without (``delay_adaptive``'s ``num_workers``)."""
+    params = list(inspect.signature(_factory(name)).parameters.values())[1:]
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD]
+
+
+def _factory(name: str) -> Callable[..., optax.GradientTransformationExtraArgs]:
+    if name not in RULES:
+        raise errors.ConfigError(f"rule={name!r} is invalid: use one of {', '.join(RULES)}.")
+    return RULES[name]
+
+
+def get(name: str, learning_rate: ScalarOrSchedule, **hyperparameters: Any) -> optax.GradientTransformationExtraArgs:
+    """The rule registered as ``name``, built with ``learning_rate`` and its own hyperparameters.
+
+    Args:
+      name: one of :func:`names` (``"asgd"``, ``"dc_asgd_c"``, ``"dc_asgd_a"``, ...).
+      learning_rate: a float or an optax schedule over server updates.
+      **hyperparameters: the rule's own (see :func:`defaults`); ``None`` values are dropped, so a caller can
+        pass every option it has and let the rule's defaults stand.
+
+    Raises:
+      ConfigError: an unknown name, or a hyperparameter the rule does not take (the message lists those it takes).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.rules.get("dc_asgd_a", 0.1, lam=1.0)
+      >>> w = jnp.array([1.0])
+      >>> rule.update(jnp.array([2.0]), rule.init(w), w, stale_params=w)[0]
+      Array([-0.2], dtype=float32)
+      >>> asgd_jax.rules.get("asgd", 0.1, lam=1.0)
+      Traceback (most recent call last):
+      ...
+      asgd_jax.errors.ConfigError: rule 'asgd' takes no hyperparameter 'lam': it takes momentum, nesterov.
+    """
+    factory = _factory(name)
+    given = {k: v for k, v in hyperparameters.items() if v is not None}
+    accepted = defaults(name)
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        takes = ", ".join(accepted) or "none"
+        raise errors.ConfigError(
+            f"rule {name!r} takes no hyperparameter {', '.join(map(repr, unknown))}: it takes {takes}."
+        )
+    return factory(learning_rate, **given)
+
+
+def register(name: str, factory: Callable[..., optax.GradientTransformationExtraArgs]) -> None:
+    """Adds ``factory(learning_rate, **hyperparameters)`` to the registry under ``name`` (replacing an earlier one), so
+    that :func:`get`, the command line and the studies know it."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise errors.ConfigError(f"name={name!r} is invalid: use an identifier such as 'my_rule'.")
+    if not callable(factory):
+        raise errors.ConfigError(f"factory={factory!r} is invalid: give a function (learning_rate, **hp) -> rule.")
+    RULES[name] = factory

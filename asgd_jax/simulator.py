@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -36,12 +36,12 @@ import optax
 
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
-from asgd_jax import order, server
+from asgd_jax import errors, exchange, order, server
+from asgd_jax.exchange import Exchange
 
 __all__ = ["SimState", "SimulationResult", "grid", "init", "lower", "shard_indices", "simulate", "sweep"]
 
-MODES = ("async", "sync")
-PUSHES = ("gradients", "delta", "accumulate")
+NONFINITE = ("warn", "stop", "ignore")
 
 
 class DataState(NamedTuple):
@@ -78,17 +78,21 @@ class SimulationResult(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Everything static about a run: it decides the compiled program."""
+class _Spec:
+    """A run's settings as :func:`simulate` takes them (one record instead of a wall of arguments)."""
 
-    mode: str
-    n_sync: int
-    push: str
-    batch_size: int
-    num_examples: int
-    shard_size: int
-    stateful: bool
-    chunk: int
+    batch_size: int = 32
+    num_updates: int = 2_000
+    mode: str = "async"
+    n_sync: int = 1
+    push: str = "gradients"
+    local_learning_rate: float | None = None
+    eval_every: int | None = None
+    on_nonfinite: str = "warn"
+    chunk: int | None = None  # updates per compiled chunk (default: eval_every, or about a twentieth of the run)
+
+    def chunk_length(self) -> int:
+        return self.chunk or self.eval_every or max(1, min(self.num_updates, math.ceil(self.num_updates / 20)))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -96,72 +100,44 @@ class _Config:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid: {name} must be an int >= 1.")
-    return int(value)
-
-
-def _validate(
-    data,
-    delays,
-    *,
-    mode,
-    n_sync,
-    push,
-    batch_size,
-    num_updates,
-    local_learning_rate,
-    eval_fn,
-    eval_every,
-) -> tuple[int, int]:
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is invalid: use 'async' or 'sync'.")
-    if push not in PUSHES:
-        raise ValueError(f"push={push!r} is invalid: use one of {', '.join(PUSHES)}.")
-    n_sync = _positive_int("n_sync", n_sync)
-    batch_size = _positive_int("batch_size", batch_size)
-    _positive_int("num_updates", num_updates)
-    if eval_every is not None:
-        _positive_int("eval_every", eval_every)
+def _validate(spec: _Spec, delays, data, loss: exchange.Loss, params, model_state, eval_fn) -> Exchange:
+    """The run's exchange period, once every argument has been checked."""
+    errors.positive_int("num_updates", spec.num_updates)
+    errors.choice("on_nonfinite", spec.on_nonfinite, NONFINITE)
+    if spec.eval_every is not None:
+        errors.positive_int("eval_every", spec.eval_every)
         if eval_fn is None:
-            raise ValueError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
+            raise errors.ConfigError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
     if not all(hasattr(delays, a) for a in ("num_slots", "num_shards", "init", "next")):
-        raise ValueError(
+        raise errors.ConfigError(
             f"delays={delays!r} is not a delay model: use one of asgd_jax.delays.Workers, Trace, FixedDelay, "
             "RandomDelay."
         )
-    if mode == "sync" and not isinstance(delays, delays_lib.Workers):
-        raise ValueError(
+    if spec.mode == "sync" and not isinstance(delays, delays_lib.Workers):
+        raise errors.ConfigError(
             f"mode='sync' (SSGD) needs delays=asgd_jax.delays.Workers(M), not {type(delays).__name__}: a barrier "
             "round averages the M workers' gradients."
         )
-    if isinstance(delays, delays_lib.Trace) and len(delays) < num_updates:
-        raise ValueError(
-            f"num_updates={num_updates} but the trace holds only {len(delays)} pushes: lower num_updates or give a "
-            "longer trace."
+    if isinstance(delays, delays_lib.Trace) and len(delays) < spec.num_updates:
+        raise errors.ConfigError(
+            f"num_updates={spec.num_updates} but the trace holds only {len(delays)} pushes: lower num_updates or give "
+            "a longer trace."
         )
-    if n_sync > 1 and push != "accumulate" and local_learning_rate is None:
-        raise ValueError(
-            f"n_sync={n_sync} with push={push!r} takes local SGD steps between exchanges: pass "
-            "local_learning_rate=<float>, or use push='accumulate' (no local steps)."
-        )
-    leaves = jax.tree.leaves(data)
-    if not leaves:
-        raise ValueError("data is empty: pass a pytree of arrays with a leading example axis, e.g. {'x': x, 'y': y}.")
-    sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
-    if len(sizes) != 1 or -1 in sizes:
-        raise ValueError(
-            f"data leaves have leading sizes {sorted(sizes)}: every leaf needs the same leading example axis."
-        )
-    num_examples = sizes.pop()
-    shard_size = num_examples // delays.num_shards
-    if batch_size > shard_size:
-        raise ValueError(
-            f"batch_size={batch_size} is larger than a shard: {num_examples} examples over {delays.num_shards} "
-            f"shards leaves {shard_size} per shard. Lower batch_size or the number of workers."
-        )
-    return num_examples, shard_size
+    ex = Exchange.create(
+        data,
+        delays.num_shards,
+        mode=spec.mode,
+        n_sync=spec.n_sync,
+        push=spec.push,
+        batch_size=spec.batch_size,
+        local_learning_rate=spec.local_learning_rate,
+        stateful=loss.has_model_state,
+    )
+    if not all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(params))):
+        raise errors.ConfigError("params hold NaN or Inf: start from finite weights (check the initialisation).")
+    batch = jax.tree.map(lambda a: a[: ex.batch_size], data)
+    loss.check(params, {} if model_state is None else model_state, batch)
+    return ex
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -181,96 +157,45 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
       >>> idx.shape, len(set(idx.ravel().tolist()))
       ((3, 3), 9)
     """
-    return order.shard_indices(_split_key(key)[0], epoch, num_examples=num_examples, num_shards=num_shards)
+    return order.shard_indices(exchange.split_key(key)[0], epoch, num_examples=num_examples, num_shards=num_shards)
 
 
-def _batch_indices(data_words: jax.Array, cfg: _Config, shard: jax.Array, taken: jax.Array) -> jax.Array:
+def _batch_indices(data_words: jax.Array, ex: Exchange, shard: jax.Array, taken: jax.Array) -> jax.Array:
     """Example indices of a shard's ``taken``-th minibatch (``shard`` and ``taken`` may be arrays of equal shape)."""
-    per_epoch = cfg.shard_size // cfg.batch_size
+    per_epoch = ex.shard_size // ex.batch_size
     epoch, k = taken // per_epoch, taken % per_epoch
-    start = shard * cfg.shard_size + k * cfg.batch_size
-    positions = start[..., None] + jnp.arange(cfg.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
+    start = shard * ex.shard_size + k * ex.batch_size
+    positions = start[..., None] + jnp.arange(ex.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
     if jnp.ndim(epoch) == 0:
-        return order.example_index(data_words, epoch, positions, cfg.num_examples)
+        return order.example_index(data_words, epoch, positions, ex.num_examples)
     # SSGD: all shards are in the same epoch (they move in lock-step).
-    return order.example_index(data_words, epoch[0], positions, cfg.num_examples)
+    return order.example_index(data_words, epoch[0], positions, ex.num_examples)
 
 
-def _take(data, data_words, cfg: _Config, ds: DataState, shard: jax.Array):
-    """Shard ``shard``'s next minibatch."""
-    idx = _batch_indices(data_words, cfg, shard, ds.taken[shard])
-    return DataState(ds.taken.at[shard].add(1)), jax.tree.map(lambda a: a[idx], data)
+def _take(data, data_words, ex: Exchange, ds: DataState, shard: jax.Array):
+    """Shard ``shard``'s next ``n_sync`` minibatches, stacked."""
+    batches = []
+    for _ in range(ex.n_sync):
+        idx = _batch_indices(data_words, ex, shard, ds.taken[shard])
+        ds = DataState(ds.taken.at[shard].add(1))
+        batches.append(jax.tree.map(lambda a, idx=idx: a[idx], data))
+    return ds, jax.tree.map(lambda *b: jnp.stack(b), *batches)
 
 
-def _take_all(data, data_words, cfg: _Config, ds: DataState):
-    """Every shard's next minibatch, ``[num_shards, batch, ...]`` (SSGD)."""
+def _take_all(data, data_words, ex: Exchange, ds: DataState):
+    """Every shard's next ``n_sync`` minibatches, ``[num_shards, n_sync, batch, ...]`` (SSGD)."""
     shards = jnp.arange(ds.taken.shape[0], dtype=jnp.int32)
-    idx = _batch_indices(data_words, cfg, shards, ds.taken)
-    return DataState(ds.taken + 1), jax.tree.map(lambda a: a[idx], data)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Workers: what one exchange period computes.
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _as_stateful(loss_fn: Callable, stateful: bool) -> Callable:
-    """Normalises the loss to ``(params, model_state, batch, key) -> (loss, (model_state, aux))``."""
-    if stateful:
-
-        def full(params, model_state, batch, key):
-            loss, rest = loss_fn(params, model_state, batch, key)
-            if isinstance(rest, tuple) and len(rest) == 2:
-                return loss, rest
-            return loss, (rest, {})
-
-        return full
-    return lambda params, model_state, batch, key: (loss_fn(params, batch), (model_state, {}))
-
-
-def _work(grad_fn, cfg: _Config, params0, model_state0, batches, key, local_lr):
-    """One worker's exchange period: ``n_sync`` minibatches from the pulled snapshot; returns the payload."""
-    if cfg.n_sync == 1:
-        (loss, (model_state, aux)), g = grad_fn(params0, model_state0, jax.tree.map(lambda b: b[0], batches), key)
-        payload = jax.tree.map(lambda x: local_lr * x, g) if cfg.push == "delta" else g
-        return payload, model_state, loss, aux
-
-    local_steps = cfg.push != "accumulate"
-
-    def body(carry, inputs):
-        params, model_state, acc = carry
-        batch, i = inputs
-        at = params if local_steps else params0
-        (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
-        acc = jax.tree.map(jnp.add, acc, g)
-        if local_steps:
-            params = jax.tree.map(lambda p, x: p - local_lr * x, params, g)
-        return (params, model_state, acc), (loss, aux)
-
-    zeros = jax.tree.map(jnp.zeros_like, params0)
-    (params, model_state, acc), (losses, auxes) = jax.lax.scan(
-        body, (params0, model_state0, zeros), (batches, jnp.arange(cfg.n_sync))
-    )
-    # "delta" pushes the descent direction w_pulled - w_local, which the server's rule treats like a gradient.
-    payload = jax.tree.map(jnp.subtract, params0, params) if cfg.push == "delta" else acc
-    return payload, model_state, losses.mean(), jax.tree.map(jnp.mean, auxes)
-
-
-def _mean_tree(tree):
-    return jax.tree.map(
-        lambda x: x.mean(axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0],
-        tree,
-    )
+    batches = []
+    for _ in range(ex.n_sync):
+        idx = _batch_indices(data_words, ex, shards, ds.taken)
+        ds = DataState(ds.taken + 1)
+        batches.append(jax.tree.map(lambda a, idx=idx: a[idx], data))
+    return ds, jax.tree.map(lambda *b: jnp.stack(b, axis=1), *batches)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # The state machine.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _split_key(key: jax.Array):
-    data_key, delay_key, model_key = jax.random.split(key, 3)
-    return data_key, delay_key, model_key
 
 
 def init(
@@ -293,7 +218,7 @@ def init(
     """
     delays = delays_lib.Workers(8) if delays is None else delays
     key = jax.random.key(0) if key is None else key
-    _, delay_key, _ = _split_key(key)
+    _, delay_key, _ = exchange.split_key(key)
     return SimState(
         server=server.init(rule, params, delays.num_slots, model_state),
         delay=delays.init(delay_key, n_sync),
@@ -302,71 +227,84 @@ def init(
     )
 
 
-def _live_slot(delays, cfg: _Config) -> bool:
+def _live_slot(delays, ex: Exchange) -> bool:
     """Whether every update pulls into slot 0 and computes at w_t: SSGD, or a single slot (FixedDelay(0), one worker).
     Then slot 0 always holds w_t bit for bit, so the step reads the live weights and the chunk writes the slot's
     weights once at its end: per update, a copy of the weights into the slot (and one XLA made to protect the slot
     from that write while the gradient read it) would be the only work beyond sequential SGD's."""
-    return cfg.mode == "sync" or delays.num_slots == 1
+    return ex.mode == "sync" or delays.num_slots == 1
 
 
-def _step(grad_fn, rule, delays, cfg: _Config, data, data_words, local_lr, state: SimState, step_keys, model_key):
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    """What every update of a chunk shares (closed over by the step)."""
+
+    grad_fn: Callable
+    rule: optax.GradientTransformation
+    delays: Any
+    ex: Exchange
+    data: Any
+    data_words: jax.Array
+    local_lr: jax.Array
+    model_key: jax.Array
+
+
+def _async_update(c: _Ctx, state: SimState, k_delay: jax.Array):
+    """The delay model's next push: that worker's payload at its snapshot, applied; then its pull."""
+    ex, live = c.ex, _live_slot(c.delays, c.ex)
+    delay_state, event = c.delays.next(state.delay, state.server.version, k_delay, ex.n_sync)
+    if live:
+        params0, model_state0 = state.server.params, state.server.model_state
+    else:
+        params0, model_state0 = server.snapshot(state.server, event.push)
+    # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
+    # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
+    pulled = server.snapshot_version(state.server, event.push)
+    k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), event.push)
+    ds, batches = _take(c.data, c.data_words, ex, state.data, event.shard)
+    payload, model_state, loss, aux = exchange.work(c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr)
+    srv, staleness = server.push(
+        c.rule, state.server, event.push, payload, model_state if ex.stateful else None, stale_params=params0
+    )  # the snapshot the gradient was computed at, read once
+    srv = server.pull(srv, event.pull, weights=not live)
+    new = SimState(server=srv, delay=delay_state, data=ds, clock=event.time.astype(jnp.float32))
+    return new, (loss, aux, staleness, event.push, ex.n_sync * ex.batch_size)
+
+
+def _sync_update(c: _Ctx, state: SimState, k_delay: jax.Array, k_model: jax.Array):
+    """An SSGD round: every worker's payload at w_t, their mean applied once (as worker 0)."""
+    ex, num = c.ex, c.delays.num_slots
+    ds, batches = _take_all(c.data, c.data_words, ex, state.data)  # [M, n_sync, batch, ...]
+    params0, model_state0 = state.server.params, state.server.model_state
+    payloads, model_states, losses, auxes = jax.vmap(
+        lambda b, k: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr)
+    )(batches, jax.random.split(k_model, num))
+    mean_state = exchange.mean_tree(model_states) if ex.stateful else None
+    # Slot 0 is the live slot (see _live_slot): its weights are w_t, the point every payload was computed at.
+    srv, staleness = server.push(
+        c.rule, state.server, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0
+    )
+    srv = server.pull(srv, 0, weights=False)
+    clock = (state.clock + c.delays.sync_time(k_delay, ex.n_sync)).astype(jnp.float32)
+    new = SimState(server=srv, delay=state.delay, data=ds, clock=clock)
+    aux = jax.tree.map(jnp.mean, auxes)
+    return new, (losses.mean(), aux, staleness, jnp.asarray(-1, jnp.int32), num * ex.n_sync * ex.batch_size)
+
+
+def _step(c: _Ctx, state: SimState, step_keys):
     """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and, for SSGD, ``fold_in(model_key, t)`` for this
     t (``None`` asynchronously: the pushing worker's key comes from ``model_key``, its pulled version and its id)."""
     k_delay, k_model = step_keys
-    t = state.server.version
-    push_state = lambda ms: ms if cfg.stateful else None
-
-    if cfg.mode == "async":
-        delay_state, event = delays.next(state.delay, t, k_delay, cfg.n_sync)
-        if _live_slot(delays, cfg):
-            params0, model_state0 = state.server.params, state.server.model_state
-        else:
-            params0, model_state0 = server.snapshot(state.server, event.push)
-        # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
-        # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
-        pulled = server.snapshot_version(state.server, event.push)
-        k_model = jax.random.fold_in(jax.random.fold_in(model_key, pulled), event.push)
-        ds = state.data
-        batches = []
-        for _ in range(cfg.n_sync):
-            ds, batch = _take(data, data_words, cfg, ds, event.shard)
-            batches.append(batch)
-        batches = jax.tree.map(lambda *b: jnp.stack(b), *batches)
-        payload, model_state, loss, aux = _work(grad_fn, cfg, params0, model_state0, batches, k_model, local_lr)
-        srv, staleness = server.push(
-            rule, state.server, event.push, payload, push_state(model_state), stale_params=params0
-        )  # the snapshot the gradient was computed at, read once
-        srv = server.pull(srv, event.pull, weights=not _live_slot(delays, cfg))
-        worker, clock, examples = event.push, event.time, cfg.n_sync * cfg.batch_size
+    if c.ex.mode == "async":
+        new, (loss, aux, staleness, worker, examples) = _async_update(c, state, k_delay)
     else:
-        num = delays.num_slots
-        delay_state = state.delay
-        ds = state.data
-        batches = []
-        for _ in range(cfg.n_sync):
-            ds, batch = _take_all(data, data_words, cfg, ds)
-            batches.append(batch)
-        batches = jax.tree.map(lambda *b: jnp.stack(b, axis=1), *batches)  # [M, n_sync, batch, ...]
-        params0, model_state0 = state.server.params, state.server.model_state
-        keys = jax.random.split(k_model, num)
-        payloads, model_states, losses, auxes = jax.vmap(
-            lambda b, k: _work(grad_fn, cfg, params0, model_state0, b, k, local_lr)
-        )(batches, keys)
-        srv, staleness = server.push(rule, state.server, 0, _mean_tree(payloads), push_state(_mean_tree(model_states)))
-        srv = server.pull(srv, 0, weights=not _live_slot(delays, cfg))
-        loss, aux = losses.mean(), jax.tree.map(jnp.mean, auxes)
-        worker = jnp.asarray(-1, jnp.int32)
-        clock = state.clock + delays.sync_time(k_delay, cfg.n_sync)
-        examples = num * cfg.n_sync * cfg.batch_size
-
-    new = SimState(server=srv, delay=delay_state, data=ds, clock=clock.astype(jnp.float32))
+        new, (loss, aux, staleness, worker, examples) = _sync_update(c, state, k_delay, k_model)
     metrics = {
         "loss": loss.astype(jnp.float32),
         "staleness": staleness.astype(jnp.int32),
         "worker": jnp.asarray(worker, jnp.int32),
         "time": new.clock,
-        "epoch": (srv.version.astype(jnp.float32) * examples) / cfg.num_examples,
+        "epoch": (new.server.version.astype(jnp.float32) * examples) / c.ex.num_examples,
         **{k: jnp.asarray(v, jnp.float32) for k, v in aux.items()},
     }
     return new, metrics
@@ -379,7 +317,7 @@ def _evaluate(eval_fn, state: SimState) -> dict[str, jax.Array]:
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int):
+def _make_chunk(grad_fn, rule_fn, delays_fn, ex: Exchange, eval_fn, length: int):
     """``(state, data, key, hparams, local_lr) -> (state, per-update metrics, evaluation)`` over ``length`` updates.
 
     ``length`` is static: a loop with a known trip count runs without asking the host whether to go on (on a GPU a
@@ -389,16 +327,15 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int)
 
     def chunk(state, data, key, hparams, local_lr):
         rule, delays = rule_fn(hparams), delays_fn(hparams)
-        data_key, delay_key, model_key = _split_key(key)
-        data_words = order.key_words(data_key)
+        data_key, delay_key, model_key = exchange.split_key(key)
+        c = _Ctx(grad_fn, rule, delays, ex, data, order.key_words(data_key), local_lr, model_key)
         # Every update's keys in one vectorised PRNG call per chunk (on CPU each call inside the loop is a rolled
         # loop of its own); identical to folding t in step by step.
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-        step_keys = (fold(delay_key, ts), fold(model_key, ts) if cfg.mode == "sync" else None)
-        step = lambda s, k: _step(grad_fn, rule, delays, cfg, data, data_words, local_lr, s, k, model_key)
-        state, metrics = jax.lax.scan(step, state, step_keys)
-        if _live_slot(delays, cfg):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
+        step_keys = (fold(delay_key, ts), fold(model_key, ts) if ex.mode == "sync" else None)
+        state, metrics = jax.lax.scan(lambda s, k: _step(c, s, k), state, step_keys)
+        if _live_slot(delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             state = state._replace(server=server.pull(state.server, 0))
         return state, metrics, _evaluate(eval_fn, state)
 
@@ -410,15 +347,12 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, cfg: _Config, eval_fn, length: int)
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _key_fingerprint(keys: jax.Array) -> str:
-    return hashlib.sha256(np.asarray(jax.random.key_data(keys)).tobytes()).hexdigest()[:16]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Program:
     """A validated run's compiled pieces: the initial state, chunks of updates, the evaluation."""
 
-    cfg: _Config
+    spec: _Spec
+    ex: Exchange
     init: Callable  # (keys, hparams) -> SimState
     chunk: Callable  # length -> jitted (state, data, keys, hparams, local_lr) -> (state, metrics, evaluation)
     evaluate: Callable  # state -> evaluation
@@ -426,122 +360,155 @@ class _Program:
     data: Any  # on the device
     local_lr: jax.Array
 
+    def config_repr(self) -> str:
+        """The run's static configuration as the checkpoint header has always written it (so earlier checkpoints
+        still resume)."""
+        ex = self.ex
+        return (
+            f"_Config(mode={ex.mode!r}, n_sync={ex.n_sync}, push={ex.push!r}, batch_size={ex.batch_size}, "
+            f"num_examples={ex.num_examples}, shard_size={ex.shard_size}, stateful={ex.stateful}, "
+            f"chunk={self.spec.chunk_length()})"
+        )
 
-def _program(loss_fn, rule_fn, params, data, *, hparams, batched, delays_fn, batch_size, num_updates, mode, n_sync,
-             push, model_state, local_learning_rate, eval_fn, eval_every, chunk_len=None) -> _Program:  # fmt: skip
+
+def _program(
+    loss: exchange.Loss, rule_fn, params, data, spec: _Spec, *, delays_fn, hparams, batched: bool, model_state, eval_fn
+) -> _Program:
     """Validates the arguments (before anything is traced) and builds the run's programs."""
     # The structure (slots, shards, kind) is static, so the first run's delay model describes every run.
     first = jax.tree.map(lambda v: v[0], hparams) if batched else hparams
-    delays = delays_fn(first)
-    num_examples, shard_size = _validate(
-        data,
-        delays,
-        mode=mode,
-        n_sync=n_sync,
-        push=push,
-        batch_size=batch_size,
-        num_updates=num_updates,
-        local_learning_rate=local_learning_rate,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-    )
-    stateful = model_state is not None
-    chunk_len = chunk_len or eval_every or max(1, min(num_updates, math.ceil(num_updates / 20)))
-    cfg = _Config(mode, n_sync, push, batch_size, num_examples, shard_size, stateful, chunk_len)
-    grad_fn = jax.value_and_grad(_as_stateful(loss_fn, stateful), has_aux=True)
+    ex = _validate(spec, delays_fn(first), data, loss, params, model_state, eval_fn)
+    grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     model_state = {} if model_state is None else model_state
 
     def init_one(key, hp):
-        return init(rule_fn(hp), params, delays=delays_fn(hp), key=key, n_sync=cfg.n_sync, model_state=model_state)
+        return init(rule_fn(hp), params, delays=delays_fn(hp), key=key, n_sync=ex.n_sync, model_state=model_state)
 
     @functools.cache  # one program per chunk length: the full chunks', and the last one's if it is shorter
     def chunk(length: int):
-        fn = _make_chunk(grad_fn, rule_fn, delays_fn, cfg, eval_fn, length)
+        fn = _make_chunk(grad_fn, rule_fn, delays_fn, ex, eval_fn, length)
         if batched:
             fn = jax.vmap(fn, in_axes=(0, None, 0, 0, None))
         return jax.jit(fn, donate_argnums=0)
 
     evaluate = lambda s: _evaluate(eval_fn, s)
+    local_lr = 0.0 if spec.local_learning_rate is None else spec.local_learning_rate
     return _Program(
-        cfg=cfg,
+        spec=spec,
+        ex=ex,
         init=jax.jit(jax.vmap(init_one) if batched else init_one),
         chunk=chunk,
         evaluate=jax.jit(jax.vmap(evaluate) if batched else evaluate),
         evaluates=eval_fn is not None,
         data=jax.tree.map(jnp.asarray, data),
-        local_lr=jnp.asarray(0.0 if local_learning_rate is None else local_learning_rate, jnp.float32),
+        local_lr=jnp.asarray(local_lr, jnp.float32),
     )
 
 
-def _run(program: _Program, *, keys, hparams, batched: bool, num_updates, checkpoint_dir, progress, callback,
-         description) -> SimulationResult:  # fmt: skip
-    cfg, chunk_len, data, local_lr = program.cfg, program.cfg.chunk, program.data, program.local_lr
-    init_fn, compiled, evaluate = program.init, program.chunk, program.evaluate
-    state = init_fn(keys, hparams)
-    chunks: list[dict[str, np.ndarray]] = []
-    evals: list[dict[str, np.ndarray]] = []
-    done = 0
-    axis = 1 if batched else 0  # the update axis of the per-update metrics
+@dataclasses.dataclass
+class _Progress:
+    """What a run has done so far: updates, per-chunk metrics and evaluations (host arrays)."""
+
+    done: int = 0
+    chunks: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    evals: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+
+
+def _resume(path: str, state: SimState, header: dict[str, Any], axis: int) -> tuple[SimState, _Progress]:
+    state, arrays, saved = ckpt.load(path, state)
+    mismatched = [k for k in header if saved.get(k) != header[k]]
+    if mismatched:
+        raise errors.ConfigError(
+            f"Checkpoint {path} was written by a run with different {', '.join(mismatched)}: resume with the "
+            "same key and settings, or use another checkpoint_dir."
+        )
+    metrics = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
+    stacked = {k[2:]: v for k, v in arrays.items() if k.startswith("e/")}
+    n_evals = next(iter(stacked.values())).shape[axis] if stacked else 0
+    evals = [{k: np.take(v, i, axis=axis) for k, v in stacked.items()} for i in range(n_evals)]
+    return state, _Progress(int(saved["done"]), [metrics] if metrics else [], evals)
+
+
+def _check_finite(metrics: dict[str, np.ndarray], done: int, policy: str, warned: list[bool]) -> None:
+    """Warns (once) or stops when a chunk's training loss is NaN or Inf: a diverging run says so."""
+    losses = np.asarray(metrics["loss"])
+    bad = ~np.isfinite(losses)
+    if policy == "ignore" or not bad.any():
+        return
+    per_update = bad.reshape(-1, bad.shape[-1]).any(axis=0)  # any run of a sweep
+    first = done - losses.shape[-1] + int(np.argmax(per_update))
+    message = (
+        f"the training loss is NaN or Inf from update {first + 1} on: the run diverged (lower the learning "
+        "rate, check the data and the initial weights)"
+    )
+    if policy == "stop":
+        raise FloatingPointError(message + "; stopped (on_nonfinite='stop').")
+    if not warned[0]:
+        warnings.warn(message + ".", RuntimeWarning, stacklevel=4)
+        warned[0] = True
+
+
+def _run(
+    program: _Program, *, keys, hparams, batched: bool, checkpoint_dir, progress, callback, description
+) -> SimulationResult:
+    spec, chunk_len, axis = program.spec, program.spec.chunk_length(), (1 if batched else 0)
+    state = program.init(keys, hparams)
     path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), "simulator.npz")
     header = {
-        "key": _key_fingerprint(keys),
-        "num_updates": num_updates,
+        "key": exchange.key_fingerprint(keys),
+        "num_updates": spec.num_updates,
         "chunk": chunk_len,
-        "config": repr(cfg),
+        "config": program.config_repr(),
     }
+    so_far = _Progress()
     if path is not None and os.path.exists(path):
-        state, arrays, saved = ckpt.load(path, state)
-        mismatched = [k for k in header if saved.get(k) != header[k]]
-        if mismatched:
-            raise ValueError(
-                f"Checkpoint {path} was written by a run with different {', '.join(mismatched)}: resume with the "
-                "same key and settings, or use another checkpoint_dir."
-            )
-        done = int(saved["done"])
-        metrics = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
-        stacked = {k[2:]: v for k, v in arrays.items() if k.startswith("e/")}
-        chunks = [metrics] if metrics else []
-        n_evals = next(iter(stacked.values())).shape[axis] if stacked else 0
-        evals = [{k: np.take(v, i, axis=axis) for k, v in stacked.items()} for i in range(n_evals)]
-    if not evals and program.evaluates:
-        first = jax.device_get(evaluate(state))
-        evals = [first] if first else []
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=num_updates, initial=done, desc=description, unit="upd", leave=False)
+        state, so_far = _resume(path, state, header, axis)
+    if not so_far.evals and program.evaluates:
+        first = jax.device_get(program.evaluate(state))
+        so_far.evals = [first] if first else []
+    bar = _bar(progress, spec.num_updates, so_far.done, description)
+    warned = [False]
     try:
-        while done < num_updates:
-            length = min(chunk_len, num_updates - done)
-            state, metrics, ev = compiled(length)(state, data, keys, hparams, local_lr)
-            chunks.append(jax.device_get(metrics))
-            if ev:
-                evals.append(jax.device_get(ev))
-            done += length
+        while so_far.done < spec.num_updates:
+            length = min(chunk_len, spec.num_updates - so_far.done)
+            state, metrics, ev = program.chunk(length)(state, program.data, keys, hparams, program.local_lr)
+            so_far.chunks.append(jax.device_get(metrics))
+            so_far.evals += [jax.device_get(ev)] if ev else []
+            so_far.done += length
+            _check_finite(so_far.chunks[-1], so_far.done, spec.on_nonfinite, warned)
             if path is not None:
-                chunks = [_join(chunks, axis)]
-                arrays = {f"m/{k}": v for k, v in chunks[0].items()}
-                arrays.update({f"e/{k}": v for k, v in _join(evals, axis, stack=True).items()})
-                ckpt.save(path, state, arrays, {**header, "done": done})
+                so_far.chunks = [_join(so_far.chunks, axis)]
+                arrays = {f"m/{k}": v for k, v in so_far.chunks[0].items()}
+                arrays.update({f"e/{k}": v for k, v in _join(so_far.evals, axis, stack=True).items()})
+                ckpt.save(path, state, arrays, {**header, "done": so_far.done})
             if bar is not None:
                 bar.update(length)
-                bar.set_postfix(loss=f"{float(np.mean(np.take(chunks[-1]['loss'], -1, axis=axis))):.3f}")
+                bar.set_postfix(loss=f"{float(np.mean(np.take(so_far.chunks[-1]['loss'], -1, axis=axis))):.3f}")
             if callback is not None:
-                callback(done, state)
+                callback(so_far.done, state)
     finally:
         if bar is not None:
             bar.close()
+    return SimulationResult(state.server.params, state.server.model_state, state, _metrics(so_far, spec, axis))
 
-    metrics = _join(chunks, axis)
-    if evals and evals[0]:
-        ev = _join(evals, axis, stack=True)
-        updates = np.minimum(np.arange(len(evals)) * chunk_len, num_updates).astype(np.int32)
+
+def _bar(progress: bool, total: int, initial: int, description: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=description, unit="upd", leave=False)
+
+
+def _metrics(so_far: _Progress, spec: _Spec, axis: int) -> dict[str, np.ndarray]:
+    metrics = _join(so_far.chunks, axis)
+    if so_far.evals and so_far.evals[0]:
+        ev = _join(so_far.evals, axis, stack=True)
+        updates = np.minimum(np.arange(len(so_far.evals)) * spec.chunk_length(), spec.num_updates).astype(np.int32)
         shape = next(iter(ev.values())).shape
         metrics.update(ev)
         metrics["eval_update"] = np.broadcast_to(updates, shape).copy()
-    return SimulationResult(state.server.params, state.server.model_state, state, metrics)
+    return metrics
 
 
 def _join(parts: Sequence[Mapping[str, np.ndarray]], axis: int, stack: bool = False) -> dict[str, np.ndarray]:
@@ -567,8 +534,10 @@ def simulate(
     push: str = "gradients",
     model_state: Any = None,
     local_learning_rate: float | None = None,
+    has_aux: bool = False,
     eval_fn: Callable | None = None,
     eval_every: int | None = None,
+    on_nonfinite: str = "warn",
     checkpoint_dir: str | os.PathLike | None = None,
     progress: bool = True,
     callback: Callable[[int, SimState], None] | None = None,
@@ -576,9 +545,11 @@ def simulate(
     """Simulates asynchronous SGD with a parameter server, deterministically.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar``; or, when ``model_state`` is given, ``loss_fn(params,
-        model_state, batch, key) -> (loss, new_model_state)`` or ``-> (loss, (new_model_state, aux))`` with ``aux`` a
-        dict of scalar training metrics (see :func:`asgd_jax.classification_loss`).
+      loss_fn: ``loss_fn(params, batch) -> scalar``; with ``model_state`` given, ``loss_fn(params, model_state,
+        batch, key) -> (loss, new_model_state)``; with ``has_aux=True`` the loss comes with a dict of scalar training
+        metrics (``(loss, aux)``, or ``(loss, (new_model_state, aux))``). An :class:`asgd_jax.exchange.Loss` declares
+        its own form (:func:`asgd_jax.classification_loss` returns one). A loss that does not return what its form
+        says is reported before anything compiles.
       rule: the server's update rule, e.g. :func:`asgd_jax.dc_asgd`.
       params: initial weights w_0 (every backup starts here).
       data: pytree of arrays with a leading example axis, e.g. ``{"x": x, "y": y}``; it is put on the device whole.
@@ -592,12 +563,15 @@ def simulate(
       push: with ``n_sync > 1``: ``"gradients"`` (local SGD steps, push the summed gradients), ``"delta"`` (local
         steps, push ``w_pulled - w_local``, which the rule treats like a gradient: use a server learning rate of 1 to
         add the delta) or ``"accumulate"`` (sum the gradients at the pulled weights, no local steps).
-      model_state: initial non-trained model collections (BatchNorm); selects the stateful ``loss_fn`` form. Workers
+      model_state: initial non-trained model collections (BatchNorm); declares the stateful ``loss_fn`` form. Workers
         compute with the state they pulled and push their updated state; the server keeps the latest.
       local_learning_rate: step size of the local steps (needed when ``n_sync > 1`` and ``push != "accumulate"``).
+      has_aux: the loss returns auxiliary training metrics (see ``loss_fn``).
       eval_fn: ``eval_fn(params, model_state) -> dict`` of scalars, run on the server's weights at the start and every
         ``eval_every`` updates.
       eval_every: evaluation (and checkpoint / progress) interval; by default the run is cut into about 20 chunks.
+      on_nonfinite: when the training loss turns NaN or Inf: ``"warn"`` (once; default), ``"stop"`` (raise
+        ``FloatingPointError`` after that chunk) or ``"ignore"``.
       checkpoint_dir: if given, the state is written there atomically after every chunk, and a run started with the
         same arguments resumes from it (bit-identical to an uninterrupted run).
       progress: show a progress bar.
@@ -620,13 +594,30 @@ def simulate(
     """
     delays = delays_lib.Workers(8) if delays is None else delays
     key = jax.random.key(0) if key is None else key
+    spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, eval_every, on_nonfinite)
+    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     program = _program(
-        loss_fn, lambda _: rule, params, data, hparams={}, batched=False, delays_fn=lambda _: delays,
-        batch_size=batch_size, num_updates=num_updates, mode=mode, n_sync=n_sync, push=push, model_state=model_state,
-        local_learning_rate=local_learning_rate, eval_fn=eval_fn, eval_every=eval_every,
-    )  # fmt: skip
-    return _run(program, keys=key, hparams={}, batched=False, num_updates=num_updates, checkpoint_dir=checkpoint_dir,
-                progress=progress, callback=callback, description="simulate")  # fmt: skip
+        loss,
+        lambda _: rule,
+        params,
+        data,
+        spec,
+        delays_fn=lambda _: delays,
+        hparams={},
+        batched=False,
+        model_state=model_state,
+        eval_fn=eval_fn,
+    )
+    return _run(
+        program,
+        keys=key,
+        hparams={},
+        batched=False,
+        checkpoint_dir=checkpoint_dir,
+        progress=progress,
+        callback=callback,
+        description="simulate",
+    )
 
 
 def lower(
@@ -644,6 +635,7 @@ def lower(
     push: str = "gradients",
     model_state: Any = None,
     local_learning_rate: float | None = None,
+    has_aux: bool = False,
     length: int | None = None,
 ) -> jax.stages.Lowered:
     """The program :func:`simulate` compiles for a chunk of ``length`` updates, lowered, for inspection.
@@ -663,14 +655,23 @@ def lower(
     """
     delays = delays_lib.Workers(8) if delays is None else delays
     key = jax.random.key(0) if key is None else key
+    length = None if length is None else errors.positive_int("length", length)
+    spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, chunk=length)
+    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     program = _program(
-        loss_fn, lambda _: rule, params, data, hparams={}, batched=False, delays_fn=lambda _: delays,
-        batch_size=batch_size, num_updates=num_updates, mode=mode, n_sync=n_sync, push=push, model_state=model_state,
-        local_learning_rate=local_learning_rate, eval_fn=None, eval_every=None,
-        chunk_len=None if length is None else _positive_int("length", length),
-    )  # fmt: skip
+        loss,
+        lambda _: rule,
+        params,
+        data,
+        spec,
+        delays_fn=lambda _: delays,
+        hparams={},
+        batched=False,
+        model_state=model_state,
+        eval_fn=None,
+    )
     state = jax.eval_shape(program.init, key, {})
-    return program.chunk(program.cfg.chunk).lower(state, program.data, key, {}, program.local_lr)
+    return program.chunk(spec.chunk_length()).lower(state, program.data, key, {}, program.local_lr)
 
 
 def sweep(
@@ -689,11 +690,14 @@ def sweep(
     push: str = "gradients",
     model_state: Any = None,
     local_learning_rate: float | None = None,
+    has_aux: bool = False,
     eval_fn: Callable | None = None,
     eval_every: int | None = None,
+    on_nonfinite: str = "warn",
     checkpoint_dir: str | os.PathLike | None = None,
     progress: bool = True,
     callback: Callable[[int, SimState], None] | None = None,
+    description: str | None = None,
 ) -> SimulationResult:
     """Runs R simulations as one compiled program, vmapped over keys and hyperparameters.
 
@@ -712,6 +716,7 @@ def sweep(
       hparams: dict of ``[R]`` arrays (default: none).
       delays: a delay model shared by all runs, or ``delays(hparams) -> model`` to vary its numeric parameters per run
         (e.g. ``lambda h: Workers(8, straggler_prob=h["p"])``); its structure (worker count, kind) must not vary.
+      description: the progress bar's label (default ``"sweep xR"``).
       **rest: as in :func:`simulate`.
 
     Returns:
@@ -733,20 +738,36 @@ def sweep(
     hparams = {} if hparams is None else {k: jnp.asarray(v) for k, v in hparams.items()}
     num_runs = int(np.shape(keys)[0]) if np.ndim(keys) else 0
     if num_runs < 1:
-        raise ValueError("keys must be a 1-D array of keys, one per run (see asgd_jax.grid).")
+        raise errors.ConfigError("keys must be a 1-D array of keys, one per run (see asgd_jax.grid).")
     for name, value in hparams.items():
         if np.shape(value)[:1] != (num_runs,):
-            raise ValueError(
+            raise errors.ConfigError(
                 f"hparams[{name!r}] has shape {np.shape(value)}: give one value per run, a leading axis of {num_runs}."
             )
+    spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, eval_every, on_nonfinite)
+    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     program = _program(
-        loss_fn, rule_fn, params, data, hparams=hparams, batched=True, delays_fn=delays_fn, batch_size=batch_size,
-        num_updates=num_updates, mode=mode, n_sync=n_sync, push=push, model_state=model_state,
-        local_learning_rate=local_learning_rate, eval_fn=eval_fn, eval_every=eval_every,
-    )  # fmt: skip
-    return _run(program, keys=keys, hparams=hparams, batched=True, num_updates=num_updates,
-                checkpoint_dir=checkpoint_dir, progress=progress, callback=callback,
-                description=f"sweep x{num_runs}")  # fmt: skip
+        loss,
+        rule_fn,
+        params,
+        data,
+        spec,
+        delays_fn=delays_fn,
+        hparams=hparams,
+        batched=True,
+        model_state=model_state,
+        eval_fn=eval_fn,
+    )
+    return _run(
+        program,
+        keys=keys,
+        hparams=hparams,
+        batched=True,
+        checkpoint_dir=checkpoint_dir,
+        progress=progress,
+        callback=callback,
+        description=description or f"sweep x{num_runs}",
+    )
 
 
 def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -761,7 +782,7 @@ def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array,
       ((6,), [0.5, 1.0, 2.0, 0.5, 1.0, 2.0])
     """
     if not seeds:
-        raise ValueError("seeds is empty: give at least one seed.")
+        raise errors.ConfigError("seeds is empty: give at least one seed.")
     names = list(values)
     rows = list(itertools.product(list(seeds), *(list(values[n]) for n in names)))
     keys = jax.vmap(jax.random.key)(jnp.asarray([r[0] for r in rows], jnp.uint32))

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, server
+from asgd_jax import checkpoint, errors, exchange, server
 
-__all__ = ["BadPush", "ParameterStore", "StoreClosed"]
+__all__ = ["BadPush", "ParameterStore", "StaleRound", "StoreClosed"]
 
 
 log = logging.getLogger("asgd_jax.store")
@@ -54,6 +54,11 @@ class BadPush(ValueError):
 
 class StoreClosed(RuntimeError):
     """The store stopped taking pushes (the step budget is reached, or it was closed)."""
+
+
+class StaleRound(RuntimeError):
+    """An SSGD payload computed at other weights than the store's (a worker that must re-sync, e.g. after a restart
+    of the store)."""
 
 
 class ParameterStore:
@@ -97,12 +102,12 @@ class ParameterStore:
         on_snapshot=None,
     ):
         if on_nonfinite not in ("reject", "stop"):
-            raise ValueError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
+            raise errors.ConfigError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
         if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
+            raise errors.ConfigError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
         for name, value in (("checkpoint_every", checkpoint_every), ("snapshot_every", snapshot_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} is invalid: use an int >= 1, or None.")
+                raise errors.ConfigError(f"{name}={value!r} is invalid: use an int >= 1, or None.")
         self.device = device or jax.devices("cpu")[0]
         self.num_workers, self.max_updates, self.on_nonfinite = num_workers, max_updates, on_nonfinite
         with jax.default_device(self.device):
@@ -119,7 +124,7 @@ class ParameterStore:
         self.checkpoint_every, self.resumed_from = checkpoint_every, 0
         if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path):
             if not resume:
-                raise ValueError(
+                raise errors.ConfigError(
                     f"{checkpoint_dir} already holds a checkpoint ({self.checkpoint_path}): pass resume=True "
                     "(--resume) to continue that run, or choose another output folder."
                 )
@@ -137,6 +142,10 @@ class ParameterStore:
             lambda s, i: (*jax.tree.map(lambda x: x[i], (s.backup_params, s.backup_model_state)), s.backup_version[i])
         )
         self._lock = threading.Lock()
+        # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
+        self._round: dict[int, tuple] = {}
+        self._round_no, self._round_answer, self._round_abort = 0, None, None
+        self._round_cv = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self.error: BaseException | None = None
@@ -199,6 +208,67 @@ class ParameterStore:
             params, model_state, version = self._backup(self._state, self._id(worker))
         return params, model_state, int(jax.device_get(version))
 
+    def push_round(
+        self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, timeout: float | None = None
+    ) -> tuple[Any, Any, int]:
+        """SSGD: ``worker``'s payload for the round at ``pulled_version``; blocks until all M have sent theirs.
+
+        The last to arrive applies the mean of the M payloads (in worker order) once, as worker 0, with the same
+        server step as an asynchronous push; every worker gets the weights after it, ``(params, model_state,
+        version)``. A non-finite mean is rejected (counted) and the round's answer is the unchanged weights. A worker
+        that arrives twice in one round (restarted) replaces its payload.
+
+        Raises:
+          StaleRound: the payload was computed at another version than the store's (re-sync from :meth:`backup`).
+          StoreClosed: the store closed, or :meth:`abort_rounds` called the rounds off.
+          TimeoutError: the round did not complete within ``timeout`` seconds.
+        """
+        self._check_worker(worker)
+        # The whole round, its application included, happens under the round's lock: a worker that re-syncs and
+        # comes back while the mean is being applied must find either the old round or the next one, never both.
+        with self._round_cv:
+            if self._round_abort is not None:
+                raise StoreClosed(self._round_abort)
+            if pulled_version != self.applied:
+                raise StaleRound(f"computed at version {pulled_version}, the store is at {self.applied}")
+            self._round[worker] = (payload, model_state)
+            number = self._round_no
+            if len(self._round) < self.num_workers:
+                done = self._round_cv.wait_for(
+                    lambda: self._round_no != number or self._round_abort is not None, timeout
+                )
+                if not done:
+                    raise TimeoutError(f"worker {worker}: the SSGD round at version {pulled_version} did not complete")
+                if self._round_no == number:
+                    raise StoreClosed(self._round_abort)
+                return self._answer()
+            payloads = [self._round[w] for w in range(self.num_workers)]
+            mean = exchange.host_mean([p for p, _ in payloads])
+            ms = exchange.host_mean([m for _, m in payloads]) if self._stateful else None
+            try:
+                answer: Any = self.push(0, mean, pulled_version, ms).result(timeout=timeout)
+            except BadPush as e:  # a non-finite mean: skipped, the next round starts from the same weights
+                log.warning("SSGD round at version %d: %s", pulled_version, e)
+                params, model_state, at = self.backup(0)
+                answer = (*_host_copy((params, model_state)), at)
+            except StoreClosed as e:
+                answer = e
+            self._round, self._round_no, self._round_answer = {}, number + 1, answer
+            self._round_cv.notify_all()
+            return self._answer()
+
+    def _answer(self) -> tuple[Any, Any, int]:
+        if isinstance(self._round_answer, BaseException):
+            raise self._round_answer
+        return self._round_answer
+
+    def abort_rounds(self, why: str) -> None:
+        """Calls the SSGD rounds off (a worker died): every worker waiting in :meth:`push_round` gets StoreClosed."""
+        with self._round_cv:
+            if self._round_abort is None:
+                self._round_abort = why
+            self._round_cv.notify_all()
+
     def warm_up(self) -> None:
         """Compiles the exchange (and the backup lookup) now, on a scratch copy of the state, so the first push does
         not pay for compilation (hundreds of milliseconds; the trainer calls this before its clock starts)."""
@@ -213,6 +283,7 @@ class ParameterStore:
 
     def close(self) -> None:
         """Stops taking pushes, lets the applier finish the queue, writes the final checkpoint, closes the trace."""
+        self.abort_rounds("the store was closed")
         if self._applier.is_alive():
             self._closed.set()
             self._queue.put(None)
@@ -228,7 +299,7 @@ class ParameterStore:
     def save_checkpoint(self) -> str:
         """Writes a consistent checkpoint now (atomically); returns its path."""
         if self.checkpoint_path is None:
-            raise ValueError("this store has no checkpoint_dir: pass checkpoint_dir= to ParameterStore.")
+            raise errors.ConfigError("this store has no checkpoint_dir: pass checkpoint_dir= to ParameterStore.")
         with self._lock:
             snapshot = self._snapshot()
         self._write(snapshot)
@@ -238,6 +309,21 @@ class ParameterStore:
         """A consistent snapshot of the whole server state (a host copy: the store updates its own in place)."""
         with self._lock:
             return _host_copy(self._state)
+
+    def status(self) -> dict[str, Any]:
+        """The counts and how the store stands, as plain data (what a driver polls and a session ends with)."""
+        with self._lock:
+            return {
+                "applied": self.applied,
+                "rejected": self.rejected,
+                "late": self.late,
+                "received": self.received,
+                "closed": self.closed,
+                "error": None if self.error is None else str(self.error),
+                "resumed_from": self.resumed_from,
+                "done": [int(d) for d in self.done],
+                "staleness_counts": dict(self.staleness_counts),
+            }
 
     @property
     def closed(self) -> bool:
@@ -254,7 +340,7 @@ class ParameterStore:
 
     def _check_worker(self, worker: int) -> None:
         if not isinstance(worker, int | np.integer) or not 0 <= worker < self.num_workers:
-            raise ValueError(f"worker={worker!r} is invalid: use an int in [0, {self.num_workers}).")
+            raise errors.ConfigError(f"worker={worker!r} is invalid: use an int in [0, {self.num_workers}).")
 
     def _misfit(self, payload: Any) -> str | None:
         if jax.tree.structure(payload) != self._structure:
@@ -286,7 +372,7 @@ class ParameterStore:
         mismatched = {k: (header.get(k), v) for k, v in self.header.items() if header.get(k) != v}
         if mismatched:
             details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
-            raise ValueError(
+            raise errors.ConfigError(
                 f"Cannot resume from {path}: it was written by a different run ({details}). "
                 "Use the same settings, or another output folder."
             )
@@ -391,7 +477,7 @@ def _open_trace(path: str, keep: int):
         with open(path) as f:
             lines = f.readlines()[:keep]
         if len(lines) < keep:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"{path} holds {len(lines)} records but the checkpoint is at update {keep}: it is damaged."
             )
     tmp = path + ".tmp"

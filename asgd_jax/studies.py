@@ -33,16 +33,44 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import ablation, rules
 from asgd_jax import data as data_lib
 from asgd_jax import delays as delays_lib
+from asgd_jax import errors, rules
 from asgd_jax import metrics as metrics_lib
 from asgd_jax import models as models_lib
 from asgd_jax.simulator import grid, simulate, sweep
 
-__all__ = ["DCASGD_CIFAR10", "Arm", "Settings", "Study", "Variant", "available", "load", "report", "run"]
+__all__ = [
+    "ALGORITHMS",
+    "DCASGD_CIFAR10",
+    "Arm",
+    "Settings",
+    "Study",
+    "StudyResult",
+    "Variant",
+    "ablate",
+    "available",
+    "format_table",
+    "load",
+    "plot",
+    "plot_panels",
+    "report",
+    "run",
+    "save",
+]
 
-FAMILIES = ("dc", "staleness_aware", "delay_adaptive")
+STUDY_RULES = ("dc_asgd", "staleness_aware", "delay_adaptive")
+"""The rules an arm's variants may share (one compiled program): ``dc_asgd`` covers SGD, ASGD (lambda 0), DC-ASGD-c
+and -a with a traced lambda and adaptive flag."""
+
+ALGORITHMS = {
+    "sgd": "SGD",
+    "asgd": "ASGD",
+    "ssgd": "SSGD",
+    "dc_asgd_c": "DC-ASGD-c",
+    "dc_asgd_a": "DC-ASGD-a",
+}
+"""The algorithms of DC-ASGD's Table 1 (``asgd-jax ablate --algorithms``) and their labels."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,21 +79,21 @@ class Variant:
 
     Attributes:
       label: the series name in tables and plots (``"DC-ASGD-a"``).
-      family: ``"dc"`` (SGD/ASGD/DC-ASGD: lambda 0 is plain ASGD), ``"staleness_aware"`` or ``"delay_adaptive"``.
+      rule: the registered rule (:func:`asgd_jax.rules.get`): ``"dc_asgd"`` (SGD/ASGD/DC-ASGD: lambda 0 is plain ASGD),
+        ``"staleness_aware"`` or ``"delay_adaptive"``.
       lam: DC-ASGD's lambda_0.
       adaptive: DC-ASGD-a (True) or -c.
       coords: extra coordinates for tables/plots (e.g. ``{"lambda": 2.0}``).
     """
 
     label: str
-    family: str = "dc"
+    rule: str = "dc_asgd"
     lam: float = 0.0
     adaptive: bool = False
     coords: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r} is invalid: use one of {', '.join(FAMILIES)}.")
+        errors.choice("rule", self.rule, STUDY_RULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +104,7 @@ class Arm:
       coords: coordinates of every run in the arm (``{"M": 8}``, ``{"clients": 4, "n_sync": 10, "start": "warm"}``).
       workers: M (``Workers``), or ``tau`` for a fixed delay.
       tau: use ``FixedDelay(tau)`` instead of workers.
-      variants: the rules, all of one family.
+      variants: the rules, all of one registered rule.
       mode: ``"async"`` or ``"sync"`` (SSGD).
       n_sync, push: the exchange pattern (GPU A-SGD).
       local_lr: local step size for ``n_sync > 1`` (default: the study's learning rate).
@@ -100,9 +128,9 @@ class Arm:
     series: str | None = None
 
     def __post_init__(self):
-        families = {v.family for v in self.variants}
-        if len(families) != 1:
-            raise ValueError(f"an Arm's variants share one family (one program), got {sorted(families)}: split it.")
+        names = {v.rule for v in self.variants}
+        if len(names) != 1:
+            raise errors.ConfigError(f"an Arm's variants share one rule (one program), got {sorted(names)}: split it.")
 
     def delays(self, compute_time: str = "exponential"):
         if self.tau is not None:
@@ -131,6 +159,9 @@ class Settings:
       warm_epochs: single-worker SGD epochs that make the warm-started weights.
       target_error: training error (smoothed) whose first crossing defines time-to-target.
       init_seed: seed of the shared initial weights.
+      momentum: momentum of every rule (the DC-ASGD paper reports none).
+      workers, algorithms, lam_c, lam_a: the DC-ASGD Table-1 grid (``dcasgd_table1``, ``asgd-jax ablate``): worker
+        counts, which of :data:`ALGORITHMS` run, and DC-ASGD-c's and -a's lambda_0.
     """
 
     dataset: str = "mnist1d"
@@ -149,11 +180,53 @@ class Settings:
     warm_epochs: float = 2.0
     target_error: float = 0.5
     init_seed: int = 0
+    momentum: float | None = None
+    workers: tuple[int, ...] = (1, 4, 8)
+    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
+    lam_c: float = 0.04
+    lam_a: float = 2.0
+
+    def __post_init__(self):
+        errors.require(bool(self.seeds), "seeds", self.seeds, "give at least one seed")
+        errors.require(
+            bool(self.workers) and all(isinstance(m, int) and m >= 1 for m in self.workers),
+            "workers",
+            list(self.workers),
+            "give worker counts >= 1",
+        )
+        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+        errors.require(
+            bool(self.algorithms) and not unknown,
+            "algorithms",
+            list(self.algorithms),
+            f"choose from {', '.join(ALGORITHMS)}",
+        )
+        errors.finite_number("epochs", self.epochs, positive=True)
+        errors.finite_number("learning_rate", self.learning_rate, positive=True)
+        errors.finite_number("warm_epochs", self.warm_epochs, positive=True)
+        for name in ("batch_size", "evals", "window"):
+            errors.positive_int(name, getattr(self, name))
+        errors.choice("schedule", self.schedule, ("step", "constant"))
+        errors.choice("compute_time", self.compute_time, delays_lib.COMPUTE_TIME_KINDS)
+        # lam_c, lam_a, mean_square_decay and momentum are checked by the rule itself.
+        rules.get("dc_asgd_c", 0.1, lam=self.lam_c, momentum=self.momentum)
+        rules.get("dc_asgd_a", 0.1, lam=self.lam_a, mean_square_decay=self.mean_square_decay)
 
 
-#: The DC-ASGD paper's CIFAR-10 setup (ResNet-20, 160 epochs, batch 128, step size 0.5): the full form of its studies.
-DCASGD_CIFAR10 = Settings(dataset="tfds:cifar10", model="resnet20", seeds=(0, 1, 2), epochs=160.0, batch_size=128,
-                          learning_rate=0.5, evals=20, window=400)  # fmt: skip
+#: The DC-ASGD paper's CIFAR-10 setup (PAPERS.md section 1): ResNet-20, no augmentation, 160 effective epochs,
+#: minibatch 128 per worker, lr 0.5 divided by 10 at epochs 80 and 120, DC-ASGD-c lambda_0 0.04, DC-ASGD-a lambda_0 2
+#: and m 0.95, M in {1, 4, 8}, 5 seeds, the same initial weights and schedule for every run: the full form of
+#: ``dcasgd_table1`` and ``dcasgd_lambda_sweep`` (hours on one GPU; `asgd-jax data prepare cifar10` first).
+DCASGD_CIFAR10 = Settings(
+    dataset="tfds:cifar10",
+    model="resnet20",
+    seeds=(0, 1, 2, 3, 4),
+    epochs=160.0,
+    batch_size=128,
+    learning_rate=0.5,
+    evals=40,
+    window=400,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +246,8 @@ class Study:
       baseline: the coordinates of the speed-up baseline.
       curves_x: x axes of the training-curve plots (``"epoch"``, ``"update"``, ``"time"``).
       paper: the paper's numbers, ``{row: {column: value}}``, printed beside ours.
+      column_order: the table's columns in this order (default: as the runs come).
+      forms: more named forms beside ``quick`` and ``full`` (``asgd-jax ablate`` runs ``dcasgd_table1``'s).
     """
 
     name: str
@@ -188,6 +263,14 @@ class Study:
     curves_x: tuple[str, ...] = ("epoch",)
     paper: Mapping[Any, Mapping[str, float]] | None = None
     paper_note: str = ""
+    column_order: tuple[str, ...] | None = None
+    forms: Mapping[str, Settings] = dataclasses.field(default_factory=dict)
+
+    def form(self, name: str) -> Settings:
+        """The settings of the form ``name``."""
+        forms = {"quick": self.quick, "full": self.full, **self.forms}
+        errors.choice("form", name, forms)
+        return forms[name]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -217,13 +300,15 @@ def load(name_or_path: str) -> Study:
     if path.suffix != ".py":
         path = _experiments_dir() / f"{name_or_path}.py"
     if not path.exists():
-        raise ValueError(f"study {name_or_path!r} not found in {path.parent}: choose from {', '.join(available())}.")
+        raise errors.ConfigError(
+            f"study {name_or_path!r} not found in {path.parent}: choose from {', '.join(available())}."
+        )
     spec = importlib.util.spec_from_file_location(f"asgd_jax_study_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     study = getattr(module, "STUDY", None)
     if not isinstance(study, Study):
-        raise ValueError(f"{path} defines no STUDY = asgd_jax.studies.Study(...).")
+        raise errors.ConfigError(f"{path} defines no STUDY = asgd_jax.studies.Study(...).")
     return study
 
 
@@ -235,16 +320,21 @@ def load(name_or_path: str) -> Study:
 def _schedule(s: Settings, num_updates: int) -> optax.Schedule:
     if s.schedule == "constant":
         return optax.constant_schedule(s.learning_rate)
-    return ablation._schedule(s.learning_rate, num_updates)  # DC-ASGD's steps, as in the ablation
+    # DC-ASGD divides by 10 at epochs 80 and 120 of 160: at 50% and 75% of the updates.
+    boundaries = {int(0.5 * num_updates): 0.1, int(0.75 * num_updates): 0.1}
+    return optax.piecewise_constant_schedule(s.learning_rate, boundaries)
 
 
-def _rule_fn(family: str, arm: Arm, s: Settings, num_updates: int, num_workers: int):
+def _rule_fn(rule: str, arm: Arm, s: Settings, num_updates: int, num_workers: int):
+    """``hparams -> rule`` for an arm: its variants' numbers (lambda, the adaptive flag) are traced."""
     lr = _schedule(s, num_updates) if arm.server_lr is None else arm.server_lr
-    if family == "staleness_aware":
-        return lambda h: rules.staleness_aware_sgd(lr)
-    if family == "delay_adaptive":
-        return lambda h: rules.delay_adaptive_sgd(lr, num_workers)
-    return lambda h: rules.dc_asgd(lr, h["lam"], adaptive=h["adaptive"] > 0.5, mean_square_decay=s.mean_square_decay)
+    if rule == "staleness_aware":
+        return lambda h: rules.get(rule, lr, momentum=s.momentum)
+    if rule == "delay_adaptive":
+        return lambda h: rules.get(rule, lr, num_workers=num_workers, momentum=s.momentum)
+    return lambda h: rules.get(
+        rule, lr, lam=h["lam"], adaptive=h["adaptive"] > 0.5, mean_square_decay=s.mean_square_decay, momentum=s.momentum
+    )
 
 
 def _time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> float:
@@ -264,90 +354,156 @@ class StudyResult:
     seconds: float
 
 
-def run(study: Study, *, quick: bool = False, progress: bool = True, settings: Settings | None = None) -> StudyResult:
-    """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in its quick or full form.
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every arm of a study run shares: the data, the model's loss and evaluation, the initial weights."""
 
-    Args:
-      study: the study (:func:`load` finds one by name).
-      quick: the quick form (minutes on 2 CPU cores) instead of the full one.
-      progress: progress bars.
-      settings: override the form's settings (tests use a tiny one).
-    """
-    start = time.perf_counter()
-    s = settings or (study.quick if quick else study.full)
-    arms = study.arms(s, quick)
-    if not arms:
-        raise ValueError(f"study {study.name!r} has no arms for these settings.")
+    ds: Any
+    loss_fn: Any
+    eval_fn: Any
+    init: tuple[Any, Any]
+    warm: tuple[Any, Any] | None
+
+
+def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
     ds = data_lib.load(s.dataset, data_dir=s.data_dir)
     model = models_lib.get(s.model, num_classes=ds.num_classes, input_shape=ds.input_shape, **s.model_options)
     params0, model_state0 = model.init(jax.random.key(s.init_seed))
     loss_fn = models_lib.classification_loss(model)
-    eval_fn = models_lib.classification_eval(model, ds.test)
-    n = len(ds.y_train)
     warm = None
     if any(a.warm for a in arms):  # one warm start for the whole study: single-worker SGD from the shared init
-        updates = max(1, round(s.warm_epochs * n / s.batch_size))
-        w = simulate(loss_fn, rules.asgd(s.learning_rate), params0, ds.train, delays=delays_lib.Workers(1),
-                     batch_size=s.batch_size, num_updates=updates, model_state=model_state0,
-                     key=jax.random.key(10_000 + s.init_seed), progress=progress)  # fmt: skip
+        updates = max(1, round(s.warm_epochs * len(ds.y_train) / s.batch_size))
+        w = simulate(
+            loss_fn,
+            rules.get("sgd", s.learning_rate),
+            params0,
+            ds.train,
+            delays=delays_lib.Workers(1),
+            batch_size=s.batch_size,
+            num_updates=updates,
+            model_state=model_state0,
+            key=jax.random.key(10_000 + s.init_seed),
+            progress=progress,
+        )
         warm = (w.params, w.model_state)
+    eval_fn = models_lib.classification_eval(model, ds.test)
+    return _Setup(ds, loss_fn, eval_fn, (params0, model_state0), warm)
 
+
+def _arm_description(arm: Arm) -> str:
+    """The progress bar's label: which arm is running."""
+    where = f"tau={arm.tau}" if arm.tau is not None else f"M={arm.workers}"
+    what = ", ".join(arm.label(v) for v in arm.variants)
+    extra = "" if arm.n_sync == 1 else f" n_sync={arm.n_sync}"
+    return f"{where} {arm.mode}{extra}{' warm' if arm.warm else ''}: {what}"[:60]
+
+
+def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list[dict], dict[str, dict]]:
+    """One arm (one compiled sweep over its variants x seeds): its runs and mean curves."""
+    n = len(setup.ds.y_train)
+    m = arm.tau + 1 if arm.tau is not None else arm.workers
+    per_update = s.batch_size * arm.n_sync * (m if arm.mode == "sync" else 1)
+    interval = max(1, round(s.epochs * n / per_update / s.evals))
+    num_updates = interval * s.evals
+    variants = arm.variants
+    keys, hp = grid(seeds=s.seeds, index=list(range(len(variants))))
+    index = np.asarray(hp.pop("index")).astype(int)
+    hp = {
+        "lam": np.asarray([v.lam for v in variants], np.float32)[index],
+        "adaptive": np.asarray([float(v.adaptive) for v in variants], np.float32)[index],
+    }
+    params, model_state = setup.warm if arm.warm else setup.init
+    local_lr = (arm.local_lr or s.learning_rate) if arm.n_sync > 1 or arm.push == "delta" else None
+    result = sweep(
+        setup.loss_fn,
+        _rule_fn(variants[0].rule, arm, s, num_updates, m),
+        params,
+        setup.ds.train,
+        keys=keys,
+        hparams=hp,
+        delays=arm.delays(s.compute_time),
+        batch_size=s.batch_size,
+        num_updates=num_updates,
+        mode=arm.mode,
+        n_sync=arm.n_sync,
+        push=arm.push,
+        local_learning_rate=local_lr,
+        model_state=model_state,
+        eval_fn=setup.eval_fn,
+        eval_every=interval,
+        progress=progress,
+        description=_arm_description(arm),
+    )
+    mx = result.metrics
+    seeds = np.repeat(np.asarray(s.seeds), len(variants))
+    # Training error per minibatch, smoothed over `window` minibatches (an update is n_sync of them per worker).
+    smoothed = metrics_lib.smooth(mx["error"], max(1, s.window // arm.n_sync))
+    offset = s.warm_epochs if arm.warm else 0.0
+    runs, curves = [], {}
+    for i, variant in enumerate(variants):
+        rows = np.flatnonzero(index == i)
+        label = arm.label(variant)
+        coords = {**arm.coords, **variant.coords, "label": label}
+        series = " | ".join(
+            f"{k}={v}"
+            for k, v in coords.items()
+            if k != "label" and f"{k}={v}" not in label and str(v) not in label.split(", ")
+        )
+        curves[f"{label} ({series})" if series else label] = {
+            "coords": coords,
+            "update": list(range(1, num_updates + 1)),
+            "epoch": (offset + mx["epoch"][rows[0]]).tolist(),
+            "time": mx["time"][rows].mean(axis=0).tolist(),
+            "train_error": smoothed[rows].mean(axis=0).tolist(),
+            "eval_epoch": (offset + mx["eval_update"][rows[0]] * per_update / n).tolist(),
+            "test_error": mx["eval_error"][rows].mean(axis=0).tolist(),
+        }
+        runs += [
+            {
+                **coords,
+                "seed": int(seeds[r]),
+                "test_error": float(mx["eval_error"][r, -1]),
+                "train_error": float(smoothed[r, -1]),
+                "time_to_target": _time_to_target(mx["time"][r], smoothed[r], s.target_error),
+                "virtual_time": float(mx["time"][r, -1]),
+                "mean_staleness": float(mx["staleness"][r].mean()),
+                "max_staleness": int(mx["staleness"][r].max()),
+                "updates": num_updates,
+            }
+            for r in rows
+        ]
+    return runs, curves
+
+
+def run(
+    study: Study,
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    settings: Settings | None = None,
+    form: str | None = None,
+) -> StudyResult:
+    """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
+
+    Args:
+      study: the study (:func:`load` finds one by name).
+      quick: the quick form (minutes on 2 CPU cores) instead of the full one.
+      progress: progress bars, one per arm, labelled with it.
+      settings: override the form's settings (tests use a tiny one).
+      form: a named form of the study (``"quick"``, ``"full"`` or one of ``study.forms``), instead of ``quick``.
+    """
+    start = time.perf_counter()
+    s = settings or study.form(form or ("quick" if quick else "full"))
+    arms = study.arms(s, quick)
+    if not arms:
+        raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
+    setup = _setup(s, arms, progress)
     runs: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}
     for arm in arms:
-        m = arm.tau + 1 if arm.tau is not None else arm.workers
-        per_update = s.batch_size * arm.n_sync * (m if arm.mode == "sync" else 1)
-        interval = max(1, round(s.epochs * n / per_update / s.evals))
-        num_updates = interval * s.evals
-        variants = arm.variants
-        keys, hp = grid(seeds=s.seeds, index=list(range(len(variants))))
-        index = np.asarray(hp.pop("index")).astype(int)
-        hp = {
-            "lam": np.asarray([v.lam for v in variants], np.float32)[index],
-            "adaptive": np.asarray([float(v.adaptive) for v in variants], np.float32)[index],
-        }
-        params, model_state = warm if arm.warm else (params0, model_state0)
-        result = sweep(
-            loss_fn, _rule_fn(variants[0].family, arm, s, num_updates, m), params, ds.train, keys=keys, hparams=hp,
-            delays=arm.delays(s.compute_time), batch_size=s.batch_size, num_updates=num_updates, mode=arm.mode,
-            n_sync=arm.n_sync, push=arm.push,
-            local_learning_rate=(arm.local_lr or s.learning_rate) if arm.n_sync > 1 or arm.push == "delta" else None,
-            model_state=model_state, eval_fn=eval_fn, eval_every=interval, progress=progress,
-        )  # fmt: skip
-        mx = result.metrics
-        seeds = np.repeat(np.asarray(s.seeds), len(variants))
-        # Training error per minibatch, smoothed over `window` minibatches (an update is n_sync of them per worker).
-        smoothed = metrics_lib.smooth(mx["error"], max(1, s.window // arm.n_sync))
-        offset = s.warm_epochs if arm.warm else 0.0
-        for i, variant in enumerate(variants):
-            rows = np.flatnonzero(index == i)
-            label = arm.label(variant)
-            coords = {**arm.coords, **variant.coords, "label": label}
-            series = " | ".join(
-                f"{k}={v}"
-                for k, v in coords.items()
-                if k != "label" and f"{k}={v}" not in label and str(v) not in label.split(", ")
-            )  # what the label does not say already
-            key = f"{label} ({series})" if series else label
-            curves[key] = {
-                "coords": coords,
-                "update": list(range(1, num_updates + 1)),
-                "epoch": (offset + mx["epoch"][rows[0]]).tolist(),
-                "time": mx["time"][rows].mean(axis=0).tolist(),
-                "train_error": smoothed[rows].mean(axis=0).tolist(),
-                "eval_epoch": (offset + mx["eval_update"][rows[0]] * per_update / n).tolist(),
-                "test_error": mx["eval_error"][rows].mean(axis=0).tolist(),
-            }
-            for r in rows:
-                runs.append({
-                    **coords, "seed": int(seeds[r]),
-                    "test_error": float(mx["eval_error"][r, -1]),
-                    "train_error": float(smoothed[r, -1]),
-                    "time_to_target": _time_to_target(mx["time"][r], smoothed[r], s.target_error),
-                    "virtual_time": float(mx["time"][r, -1]),
-                    "mean_staleness": float(mx["staleness"][r].mean()),
-                    "updates": num_updates,
-                })  # fmt: skip
+        arm_runs, arm_curves = _run_arm(s, arm, setup, progress)
+        runs += arm_runs
+        curves.update(arm_curves)
     return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
 
 
@@ -379,8 +535,13 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     cells = _cell_values(study, runs)
     rows = _ordered(r for r, _ in cells)
     cols = list(dict.fromkeys(c for _, c in cells))
-    what = {"test_error": "final test error (%)", "time_to_target": "virtual time to the target training error",
-            "speedup": "speed-up in time to the target training error"}[study.metric]  # fmt: skip
+    if study.column_order:
+        cols = sorted(cols, key=lambda c: study.column_order.index(c) if c in study.column_order else len(cols))
+    what = {
+        "test_error": "final test error (%)",
+        "time_to_target": "virtual time to the target training error",
+        "speedup": "speed-up in time to the target training error",
+    }[study.metric]
     if study.metric == "speedup":
         what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
     head = f"| {study.rows} | " + " | ".join(map(str, cols)) + " |"
@@ -402,8 +563,13 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
     if study.paper:
         pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
-        lines += ["", f"Paper{': ' + study.paper_note if study.paper_note else ''}", "",
-                  f"| {study.rows} | " + " | ".join(pcols) + " |", "|---" * (len(pcols) + 1) + "|"]  # fmt: skip
+        lines += [
+            "",
+            f"Paper{': ' + study.paper_note if study.paper_note else ''}",
+            "",
+            f"| {study.rows} | " + " | ".join(pcols) + " |",
+            "|---" * (len(pcols) + 1) + "|",
+        ]
         for row, values in study.paper.items():
             lines.append(f"| {row} | " + " | ".join(f"{values[c]:.2f}" if c in values else "" for c in pcols) + " |")
     return "\n".join(lines)
@@ -430,8 +596,11 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     if not numeric:
         ax.set_xticks(range(len(rows)), [str(r) for r in rows], rotation=15)
     ax.set_xlabel(study.rows)
-    ax.set_ylabel({"test_error": "final test error (%)", "time_to_target": "virtual time to target",
-                   "speedup": "speed-up"}[study.metric])  # fmt: skip
+    ax.set_ylabel(
+        {"test_error": "final test error (%)", "time_to_target": "virtual time to target", "speedup": "speed-up"}[
+            study.metric
+        ]
+    )
     ax.set_title(study.title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -457,19 +626,74 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     return paths
 
 
-def save(result: StudyResult, folder: str | os.PathLike) -> dict[str, str]:
-    """Writes ``results.json``, ``results.csv``, ``table.md`` and the plots into ``folder``."""
+def plot_panels(result: StudyResult, path: str | os.PathLike) -> str:
+    """One panel per row value (e.g. per worker count M): smoothed training error (thin) and test error (markers) of
+    every series against effective epochs, mean over seeds; what ``asgd-jax ablate`` writes as ``curves.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study = result.study
+    rows = _ordered(c["coords"].get(study.rows) for c in result.curves.values())
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False, sharey=True)
+    labels = list(dict.fromkeys(c["coords"]["label"] for c in result.curves.values()))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    for ax, row in zip(axes[0], rows, strict=True):
+        for c in result.curves.values():
+            if c["coords"].get(study.rows) != row:
+                continue
+            label = c["coords"]["label"]
+            ax.plot(c["epoch"], 100 * np.asarray(c["train_error"]), color=colors[label], lw=0.8, alpha=0.6)
+            ax.plot(c["eval_epoch"], 100 * np.asarray(c["test_error"]), "o-", color=colors[label], ms=3, label=label)
+        ax.set_title(f"{study.rows} = {row}")
+        ax.set_xlabel("effective epochs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("error %")
+    fig.text(
+        0.5,
+        0.01,
+        f"markers: test error; thin lines: training error smoothed over {result.settings.window} "
+        "minibatches; mean over seeds",
+        ha="center",
+        fontsize=8,
+    )
+    tops = [100 * np.asarray(c["test_error"])[len(c["test_error"]) // 4 :].max() for c in result.curves.values()]
+    axes[0][0].set_ylim(0, min(100, 1.5 * max(tops) + 1))
+    fig.suptitle(f"{study.title}: {result.settings.dataset} / {result.settings.model}")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.fspath(path)
+
+
+def save(
+    result: StudyResult, folder: str | os.PathLike, *, plots: tuple[str, ...] = ("final", "curves")
+) -> dict[str, str]:
+    """Writes ``results.json``, ``results.csv``, ``table.md`` and the plots into ``folder``: ``"final"`` and
+    ``"curves"`` (:func:`plot`: ``final.png``, ``curves_<x>.png``), ``"panels"`` (:func:`plot_panels`:
+    ``curves.png``)."""
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     study, s = result.study, result.settings
     table = format_table(study, result.runs, len(s.seeds))
     payload = {
-        "study": study.name, "title": study.title, "reproduces": study.reproduces, "quick": result.quick,
-        "settings": dataclasses.asdict(s), "seconds": result.seconds, "runs": result.runs, "curves": result.curves,
+        "study": study.name,
+        "title": study.title,
+        "reproduces": study.reproduces,
+        "quick": result.quick,
+        "settings": dataclasses.asdict(s),
+        "seconds": result.seconds,
+        "runs": result.runs,
+        "curves": result.curves,
         "table": table,
-    }  # fmt: skip
-    paths = {"json": os.path.join(folder, "results.json"), "csv": os.path.join(folder, "results.csv"),
-             "table": os.path.join(folder, "table.md")}  # fmt: skip
+    }
+    paths = {
+        "json": os.path.join(folder, "results.json"),
+        "csv": os.path.join(folder, "results.csv"),
+        "table": os.path.join(folder, "table.md"),
+    }
     with open(paths["json"], "w") as f:
         json.dump(payload, f, indent=1, default=str)
     keys = list(dict.fromkeys(k for r in result.runs for k in r))
@@ -479,9 +703,22 @@ def save(result: StudyResult, folder: str | os.PathLike) -> dict[str, str]:
         writer.writerows(result.runs)
     with open(paths["table"], "w") as f:
         f.write(f"# {study.title}\n\n{table}\n")
-    for p in plot(result, folder):
-        paths[os.path.basename(p)] = p
+    if "final" in plots or "curves" in plots:
+        for p in plot(result, folder):
+            paths[os.path.basename(p)] = p
+    if "panels" in plots:
+        paths["plot"] = plot_panels(result, os.path.join(folder, "curves.png"))
     return paths
+
+
+def ablate(*, quick: bool = False, progress: bool = True, **overrides: Any) -> StudyResult:
+    """DC-ASGD's Table 1 in miniature: the ``dcasgd_table1`` study in its ``ablate`` form (mnist1d MLP, 40 effective
+    epochs, 5 seeds; ``quick``: 15 epochs, 3 seeds), with ``overrides`` of its :class:`Settings` (``workers``,
+    ``algorithms``, ``seeds``, ``epochs``, ``learning_rate``, ``lam_c``, ``lam_a``, ``dataset``, ...). What
+    ``asgd-jax ablate`` and ``make demo`` run."""
+    study = load("dcasgd_table1")
+    settings = dataclasses.replace(study.form("ablate-quick" if quick else "ablate"), **overrides)
+    return run(study, quick=quick, progress=progress, settings=settings)
 
 
 def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, header: str = "") -> str:
@@ -489,17 +726,27 @@ def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, h
     folder = pathlib.Path(folder)
     found = sorted(folder.rglob("results.json"))
     if not found:
-        raise ValueError(f"no results.json under {folder}: run `asgd-jax run <study> --out {folder}/<study>` first.")
+        raise errors.ConfigError(
+            f"no results.json under {folder}: run `asgd-jax run <study> --out {folder}/<study>` first."
+        )
     out = pathlib.Path(out) if out is not None else folder / "report.md"
     parts = ["# asgd_jax reproduction report", ""] + ([header, ""] if header else [])
     for path in found:
         payload = json.loads(path.read_text())
         s = payload["settings"]
         form = "quick" if payload["quick"] else "full"
-        parts += [f"## {payload['title']} (`{payload['study']}`, {form} form)", "", payload["reproduces"].strip(), "",
-                  f"{s['dataset']} / {s['model']}, {len(s['seeds'])} seed(s), {s['epochs']:g} effective epochs, "
-                  f"batch {s['batch_size']} per worker, lr {s['learning_rate']} ({s['schedule']}); "
-                  f"{payload['seconds']:.0f} s.", "", payload["table"], ""]  # fmt: skip
+        parts += [
+            f"## {payload['title']} (`{payload['study']}`, {form} form)",
+            "",
+            payload["reproduces"].strip(),
+            "",
+            f"{s['dataset']} / {s['model']}, {len(s['seeds'])} seed(s), {s['epochs']:g} effective epochs, "
+            f"batch {s['batch_size']} per worker, lr {s['learning_rate']} ({s['schedule']}); "
+            f"{payload['seconds']:.0f} s.",
+            "",
+            payload["table"],
+            "",
+        ]
         for png in sorted(path.parent.glob("*.png")):
             parts.append(f"![{payload['study']} {png.stem}]({os.path.relpath(png, out.parent)})")
         parts.append("")

@@ -26,9 +26,9 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
         out.append(Arm(c, workers=M, worker_kwargs=kwargs,
                        variants=(Variant("ASGD"), Variant("DC-ASGD-a", lam=2.0, adaptive=True))))  # fmt: skip
         out.append(Arm(c, workers=M, worker_kwargs=kwargs,
-                       variants=(Variant("staleness-aware", family="staleness_aware"),)))  # fmt: skip
+                       variants=(Variant("staleness-aware", rule="staleness_aware"),)))  # fmt: skip
         out.append(Arm(c, workers=M, worker_kwargs=kwargs,
-                       variants=(Variant("delay-adaptive", family="delay_adaptive"),)))  # fmt: skip
+                       variants=(Variant("delay-adaptive", rule="delay_adaptive"),)))  # fmt: skip
         out.append(Arm(c, workers=M, worker_kwargs=kwargs, mode="sync", variants=(Variant("SSGD"),)))
     return out
 

@@ -18,8 +18,8 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     out = []
     for m in workers:
         out.append(Arm({"M": m}, workers=m, variants=DC))
-        out.append(Arm({"M": m}, workers=m, variants=(Variant("staleness-aware", family="staleness_aware"),)))
-        out.append(Arm({"M": m}, workers=m, variants=(Variant("delay-adaptive", family="delay_adaptive"),)))
+        out.append(Arm({"M": m}, workers=m, variants=(Variant("staleness-aware", rule="staleness_aware"),)))
+        out.append(Arm({"M": m}, workers=m, variants=(Variant("delay-adaptive", rule="delay_adaptive"),)))
     for tau in taus:  # the same rules under a deterministic delay (M = tau + 1 round-robin workers)
         out.append(Arm({"M": tau + 1, "tau": tau}, tau=tau, variants=DC, series="{label}, fixed delay"))
     return out

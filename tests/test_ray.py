@@ -16,7 +16,7 @@ import pytest
 from lsq_problem import DATA, W0, lsq_loss
 
 import asgd_jax
-from asgd_jax.trainer import train
+from asgd_jax.trainer import TrainConfig, train
 
 ray = pytest.importorskip("ray")
 
@@ -46,8 +46,13 @@ def _train_in_thread(**kwargs):
 
     def target():
         try:
-            box["result"] = train(lsq_loss, rule(), W0, DATA, num_workers=2, batch_size=4, key=jax.random.key(3),
-                                  backend="ray", timeout=240, **kwargs)  # fmt: skip
+            box["result"] = train(
+                lsq_loss,
+                rule(),
+                W0,
+                DATA,
+                TrainConfig(workers=2, batch_size=4, seed=3, backend="ray", timeout=240, **kwargs),
+            )
         except BaseException as e:
             box["error"] = e
 
@@ -86,9 +91,23 @@ def _kill_when(trace: pathlib.Path, lines: int, role: str, before: set[str], pus
 
 
 def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=40, batch_size=4, key=jax.random.key(3),
-                   backend="ray", out_dir=tmp_path, eval_fn=lambda w, _: {"loss": lsq_loss(w, DATA)}, eval_every=10,
-                   log_every=0.05)  # fmt: skip
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(
+            workers=2,
+            num_updates=40,
+            batch_size=4,
+            seed=3,
+            backend="ray",
+            out=str(tmp_path),
+            eval_every=10,
+            log_every=0.05,
+        ),
+        eval_fn=lambda w, _: {"loss": lsq_loss(w, DATA)},
+    )
     assert result.pushes_applied == 40 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
     assert not result.failures and sum(w.pushes for w in result.workers) == result.pushes_sent
     np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
@@ -116,30 +135,57 @@ def _histogram(records):
 
 
 def test_sync_mode_on_ray_is_the_simulators_ssgd(local_ray):
-    key = jax.random.key(3)
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=12, batch_size=4, key=key, mode="sync",
-                   backend="ray")  # fmt: skip
+    seed = 3
+    key = jax.random.key(seed)
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=2, num_updates=12, batch_size=4, seed=seed, mode="sync", backend="ray"),
+    )
     assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
     assert [w.pushes for w in result.workers] == [12, 12]
-    sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(2),
-                            mode="sync", batch_size=4, num_updates=12, key=key, progress=False)  # fmt: skip
+    sim = asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=asgd_jax.delays.Workers(2),
+        mode="sync",
+        batch_size=4,
+        num_updates=12,
+        key=key,
+        progress=False,
+    )
     np.testing.assert_allclose(sim.params, result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_in_sync_mode_a_restarted_worker_rejoins_its_round_and_the_result_is_still_ssgd(local_ray, tmp_path):
-    key = jax.random.key(3)
-    thread, box = _train_in_thread(steps=300, out_dir=tmp_path, max_restarts=1, mode="sync")
+    seed = 3
+    key = jax.random.key(seed)
+    thread, box = _train_in_thread(num_updates=300, out=str(tmp_path), max_restarts=1, mode="sync")
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"], pusher=0)
     assert killed_at < 250, "the kill came too late to test anything: make the run longer"
     result = _result(thread, box)
     assert list(result.failures) == [1] and result.pushes_applied == 300
-    sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(2),
-                            mode="sync", batch_size=4, num_updates=300, key=key, progress=False)  # fmt: skip
+    sim = asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=asgd_jax.delays.Workers(2),
+        mode="sync",
+        batch_size=4,
+        num_updates=300,
+        key=key,
+        progress=False,
+    )
     np.testing.assert_allclose(sim.params, result.params, rtol=1e-4, atol=1e-5)
 
 
 def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_path):
-    thread, box = _train_in_thread(steps=600, out_dir=tmp_path, max_restarts=1)
+    thread, box = _train_in_thread(num_updates=600, out=str(tmp_path), max_restarts=1)
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
     assert killed_at < 500, "the kill came too late to test anything: make the run longer"
     result = _result(thread, box)
@@ -149,7 +195,7 @@ def test_a_killed_worker_actor_is_restarted_and_the_run_goes_on(local_ray, tmp_p
 
 
 def test_a_killed_worker_actor_without_restarts_is_dropped_and_the_others_finish_the_run(local_ray, tmp_path):
-    thread, box = _train_in_thread(steps=600, out_dir=tmp_path)  # max_restarts=0: the default
+    thread, box = _train_in_thread(num_updates=600, out=str(tmp_path))  # max_restarts=0: the default
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
     assert killed_at < 500, "the kill came too late to test anything: make the run longer"
     result = _result(thread, box)
@@ -165,7 +211,7 @@ def test_a_killed_worker_actor_without_restarts_is_dropped_and_the_others_finish
 
 
 def test_with_on_worker_failure_stop_a_killed_worker_actor_stops_the_run_cleanly(local_ray, tmp_path):
-    thread, box = _train_in_thread(steps=600, out_dir=tmp_path, on_worker_failure="stop")
+    thread, box = _train_in_thread(num_updates=600, out=str(tmp_path), on_worker_failure="stop")
     killed_at = _kill_when(tmp_path / "trace.jsonl", 20, "worker-1", box["before"])
     assert killed_at < 500, "the kill came too late to test anything: make the run longer"
     result = _result(thread, box)
@@ -178,7 +224,7 @@ def test_with_on_worker_failure_stop_a_killed_worker_actor_stops_the_run_cleanly
 
 
 def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
-    thread, box = _train_in_thread(steps=600, out_dir=tmp_path, checkpoint_every=10)
+    thread, box = _train_in_thread(num_updates=600, out=str(tmp_path), checkpoint_every=10)
     _kill_when(tmp_path / "trace.jsonl", 100, "store", box["before"])
     result = _result(thread, box)
     assert result.resumed_from > 0 and result.resumed_from % 10 == 0
@@ -198,15 +244,25 @@ def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(loc
 
     monkeypatch.setattr(ray, "wait", wait)
     with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
-        train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=600, batch_size=4, key=jax.random.key(3), backend="ray",
-              out_dir=tmp_path)  # fmt: skip
+        train(
+            lsq_loss,
+            rule(),
+            W0,
+            DATA,
+            TrainConfig(workers=2, num_updates=600, batch_size=4, seed=3, backend="ray", out=str(tmp_path)),
+        )
     with np.load(tmp_path / "checkpoint.npz") as f:
         stopped_at = json.loads(bytes(f["__header__"]).decode())["applied"]
     assert 50 <= stopped_at < 600  # the final checkpoint holds every applied update (no checkpoint_every was set)
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
     monkeypatch.setattr(ray, "wait", original_wait)
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=600, batch_size=4, key=jax.random.key(3),
-                   backend="ray", out_dir=tmp_path, resume=True)  # fmt: skip
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=2, num_updates=600, batch_size=4, seed=3, backend="ray", out=str(tmp_path), resume=True),
+    )
     assert result.resumed_from == stopped_at and result.pushes_applied == 600
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
 
@@ -214,7 +270,7 @@ def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(loc
 def test_without_ray_the_backend_fails_at_once_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'asgd_jax\[ray\]'"):
-        train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=5, backend="ray")
+        train(lsq_loss, rule(), W0, DATA, TrainConfig(workers=2, num_updates=5, backend="ray"))
 
 
 def test_cli_train_on_ray(local_ray, tmp_path, capsys):

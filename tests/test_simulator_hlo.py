@@ -161,3 +161,39 @@ def test_a_single_slot_costs_what_sequential_sgd_costs(model, floor_copies):
     assert counts["param dynamic-slice"] == 0, counts
     assert counts["param dynamic-update-slice"] == 0, counts
     assert counts["param copy"] <= floor_copies, counts
+
+
+@pytest.mark.parametrize(
+    ("model", "mode"),
+    [
+        (delays.FixedDelay(0), "async"),
+        (delays.Workers(1), "async"),
+        (delays.Workers(3), "sync"),
+        (delays.Workers(3), "async"),
+        (delays.FixedDelay(2), "async"),
+    ],
+    ids=["FixedDelay(0)", "Workers(1)", "SSGD x3", "Workers(3)", "FixedDelay(2)"],
+)
+def test_the_result_does_not_depend_on_how_the_run_is_cut_into_chunks(model, mode):
+    # A live slot (one slot, or SSGD) is written once per chunk, not per update: DC-ASGD must still see w_t as the
+    # snapshot, whatever the chunk length (one update per chunk writes the slot every update).
+    rule = asgd_jax.dc_asgd(0.01, 2.0, adaptive=True)
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype(np.float32)
+    data = {"x": x, "y": x @ np.arange(1.0, 5.0, dtype=np.float32)}
+    loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+    run = lambda every: asgd_jax.simulate(
+        loss,
+        rule,
+        jnp.zeros(4),
+        data,
+        delays=model,
+        mode=mode,
+        batch_size=8,
+        num_updates=40,
+        progress=False,
+        eval_fn=lambda w, _: {},
+        eval_every=every,
+    )
+    one, whole = run(1), run(40)
+    assert np.isfinite(whole.params).all() and whole.metrics["loss"][-1] < 0.5 * whole.metrics["loss"][0]
+    np.testing.assert_allclose(one.params, whole.params, rtol=1e-6, atol=1e-7)

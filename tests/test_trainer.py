@@ -14,7 +14,7 @@ from lsq_problem import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax.store import BadPush, ParameterStore, StoreClosed
-from asgd_jax.trainer import train
+from asgd_jax.trainer import TrainConfig, train
 
 
 @pytest.fixture
@@ -32,9 +32,14 @@ RULES = {"asgd": lambda: asgd_jax.asgd(0.05), "dc_asgd_a": lambda: asgd_jax.dc_a
 
 @pytest.mark.parametrize(
     ("rule_name", "n_sync", "push", "local_lr"),
-    [("asgd", 1, "gradients", None), ("dc_asgd_a", 1, "gradients", None), ("asgd", 3, "delta", 0.05),
-     ("dc_asgd_a", 2, "accumulate", None), ("asgd", 2, "gradients", 0.02)],
-)  # fmt: skip
+    [
+        ("asgd", 1, "gradients", None),
+        ("dc_asgd_a", 1, "gradients", None),
+        ("asgd", 3, "delta", 0.05),
+        ("dc_asgd_a", 2, "accumulate", None),
+        ("asgd", 2, "gradients", 0.02),
+    ],
+)
 def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, push, local_lr, request):
     """The signature property: the trace of a real multi-device run replays in the simulator to the same weights,
     for every n_sync and push mode."""
@@ -43,9 +48,22 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     steps = 40 if n_sync == 1 else 16
     sync = dict(n_sync=n_sync, push=push, local_learning_rate=local_lr)
     result = train(
-        lsq_loss, RULES[rule_name](), W0, DATA, num_workers=4, steps=steps, batch_size=4, key=key,
-        devices=jax.devices()[:4], out_dir=tmp_path, **sync,
-    )  # fmt: skip
+        lsq_loss,
+        RULES[rule_name](),
+        W0,
+        DATA,
+        TrainConfig(
+            workers=4,
+            num_updates=steps,
+            batch_size=4,
+            seed=5,
+            out=str(tmp_path),
+            n_sync=n_sync,
+            push=push,
+            local_lr=local_lr,
+        ),
+        devices=jax.devices()[:4],
+    )
     jax.config.update("jax_transfer_guard", "allow")  # the replay below is ordinary host-side code
     assert result.pushes_applied == steps
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
@@ -54,9 +72,17 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     trace = asgd_jax.delays.Trace.load(result.trace_path, num=4)
     assert len(trace) == steps
     replay = asgd_jax.simulate(
-        lsq_loss, RULES[rule_name](), jnp.asarray(W0), DATA, delays=trace, batch_size=4, num_updates=steps, key=key,
-        progress=False, **sync,
-    )  # fmt: skip
+        lsq_loss,
+        RULES[rule_name](),
+        jnp.asarray(W0),
+        DATA,
+        delays=trace,
+        batch_size=4,
+        num_updates=steps,
+        key=key,
+        progress=False,
+        **sync,
+    )
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
     # The trace's staleness is what the server saw.
     records = [json.loads(line) for line in pathlib.Path(result.trace_path).read_text().splitlines()]
@@ -134,9 +160,13 @@ def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
 
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", failing)
     result = train(
-        lsq_loss, asgd_jax.asgd(0.05), W0, DATA, num_workers=3, steps=30, batch_size=4, key=jax.random.key(0),
-        devices=jax.devices()[:3], on_worker_failure=policy, timeout=60,
-    )  # fmt: skip
+        lsq_loss,
+        asgd_jax.asgd(0.05),
+        W0,
+        DATA,
+        TrainConfig(workers=3, num_updates=30, batch_size=4, seed=0, on_worker_failure=policy, timeout=60),
+        devices=jax.devices()[:3],
+    )
     assert result.failures == {1: "RuntimeError: loader of worker 1 failed: disk went away"}
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
     if policy == "continue":
@@ -156,43 +186,64 @@ def dropout_loss(w, model_state, batch, key):
 def test_a_dropout_model_replays_exactly_too(tmp_path, n_sync):
     # Workers key their dropout with what they know (the version they pulled, their id), and so does the simulator:
     # the same masks in the replay, not merely similar ones.
-    key, rule = jax.random.key(2), lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+    seed, rule = 2, lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+    key = jax.random.key(seed)
     sync = dict(n_sync=n_sync, push="accumulate" if n_sync > 1 else "gradients")
-    result = train(dropout_loss, rule(), W0, DATA, num_workers=3, steps=30, batch_size=4, key=key, model_state={},
-                   devices=jax.devices()[:3], out_dir=tmp_path, **sync)  # fmt: skip
+    result = train(
+        dropout_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=3, num_updates=30, batch_size=4, seed=seed, out=str(tmp_path), **sync),
+        model_state={},
+        devices=jax.devices()[:3],
+    )
     trace = asgd_jax.delays.Trace.load(result.trace_path, num=3)
-    replay = asgd_jax.simulate(dropout_loss, rule(), jnp.asarray(W0), DATA, delays=trace, batch_size=4,
-                               num_updates=30, key=key, model_state={}, progress=False, **sync)  # fmt: skip
+    replay = asgd_jax.simulate(
+        dropout_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=trace,
+        batch_size=4,
+        num_updates=30,
+        key=key,
+        model_state={},
+        progress=False,
+        **sync,
+    )
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_trainer_arguments_raise_before_anything_starts():
     with pytest.raises(ValueError, match="on_worker_failure='retry'"):
-        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=5, on_worker_failure="retry")
+        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=5, on_worker_failure="retry"))
     with pytest.raises(ValueError, match="batch_size=64"):
-        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=5, batch_size=64)
-    with pytest.raises(ValueError, match="steps=0"):
-        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=0)
+        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=5, batch_size=64))
+    with pytest.raises(ValueError, match="num_updates=0"):
+        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=0))
     bad = {
         "mode='ring'": dict(mode="ring"),
         "devices_per_worker=16 but only 8": dict(devices_per_worker=16),
-        "batch_size=6 does not split over devices_per_worker=4": dict(devices_per_worker=4, batch_size=6),
-        "warm_start_steps=5 must be smaller than steps=5": dict(warm_start_steps=5),
-        "checkpoint_every=2 needs out_dir": dict(checkpoint_every=2),
+        "batch_size=6 .* a multiple of devices_per_worker=4": dict(devices_per_worker=4, batch_size=6),
+        "warm_start_steps=5 .* fewer than num_updates=5": dict(warm_start_steps=5),
+        "checkpoint_every=2 .* need an output folder": dict(checkpoint_every=2),
         "eval_every was given without eval_fn": dict(eval_every=2),
         "slowdown=": dict(slowdown={2: 4.0}),
     }
     for message, kwargs in bad.items():
         with pytest.raises(ValueError, match=message):
-            train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, num_workers=2, steps=5, **kwargs)
+            train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=5, **kwargs))
 
 
 def test_cli_train_config_file_resume_and_warm_start(tmp_path, capsys):
     from asgd_jax.cli import main
 
     config = tmp_path / "run.toml"
-    config.write_text('dataset = "digits"\nmodel = "mlp"\nrule = "dc_asgd_a"\nworkers = 3\nbatch-size = 8\n'
-                      "steps = 100\neval_every = 10\nno_progress = true\n")  # fmt: skip
+    config.write_text(
+        'dataset = "digits"\nmodel = "mlp"\nrule = "dc_asgd_a"\nworkers = 3\nbatch-size = 8\n'
+        "steps = 100\neval_every = 10\nno_progress = true\n"
+    )
     out = tmp_path / "run"
     assert main(["train", "--config", str(config), "--steps", "30", "--out", str(out)]) == 0  # the flag wins
     assert "applied 30" in capsys.readouterr().out
@@ -222,9 +273,13 @@ def test_non_finite_pushes_are_rejected_and_training_goes_on():
     poisoned = {"x": DATA["x"].copy(), "y": DATA["y"]}
     poisoned["x"][7] = np.nan  # every batch holding example 7 yields a NaN gradient
     result = train(
-        lsq_loss, asgd_jax.asgd(0.05), W0, poisoned, num_workers=2, steps=40, batch_size=8, key=jax.random.key(1),
+        lsq_loss,
+        asgd_jax.asgd(0.05),
+        W0,
+        poisoned,
+        TrainConfig(workers=2, num_updates=40, batch_size=8, seed=1),
         devices=jax.devices()[:2],
-    )  # fmt: skip
+    )
     assert result.pushes_applied == 40 and result.pushes_rejected - result.pushes_late >= 1  # the NaN pushes
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected
     assert np.isfinite(result.params).all() and not result.failures
@@ -238,7 +293,12 @@ def test_the_cli_keeps_a_ray_driver_on_the_cpu_only_before_jax_has_started():
         "import jax; from asgd_jax.cli import _keep_the_driver_on_the_cpu as keep; {before}keep(); "
         "print(jax.config.jax_platforms)"
     )
-    run = lambda before: subprocess.run([sys.executable, "-c", code.format(before=before)], capture_output=True,
-                                        text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": ""})  # fmt: skip
+    run = lambda before: subprocess.run(
+        [sys.executable, "-c", code.format(before=before)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": ""},
+    )
     assert run("").stdout.split() == ["cpu"]  # a fresh driver: its JAX is kept off the GPUs the workers own
     assert run("jax.devices(); ").stdout.split() != ["cpu"]  # too late once JAX started: left as it was

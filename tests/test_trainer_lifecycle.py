@@ -18,7 +18,7 @@ from lsq_problem import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax import checkpoint
-from asgd_jax.trainer import train
+from asgd_jax.trainer import TrainConfig, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,8 +38,9 @@ def replay(trace_path, steps, params=W0, num=4, batch_size=4):
 
 def _python(script: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_path):
@@ -51,27 +52,39 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
         import jax, asgd_jax.loader
         from lsq_problem import DATA, W0, lsq_loss
         from test_trainer_lifecycle import rule
-        from asgd_jax.trainer import train
+        from asgd_jax.trainer import TrainConfig, train
         original = asgd_jax.loader.ShardLoader.batch
         def batch(self, j):
             if self.worker == 0 and j >= 6 and os.path.exists({str(tmp_path / "checkpoint.npz")!r}):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, j)
         asgd_jax.loader.ShardLoader.batch = batch
-        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
-              out_dir={str(tmp_path)!r}, checkpoint_every=5)
+        train(lsq_loss, rule(), W0, DATA, TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3,
+              out={str(tmp_path)!r}, checkpoint_every=5, progress=False))
     """)
     assert killed.returncode == -9, killed.stderr
     trace_lines = len((tmp_path / "trace.jsonl").read_text().splitlines())
     assert trace_lines < 40
     with pytest.raises(ValueError, match="already holds a checkpoint"):  # never overwritten silently
-        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, out_dir=tmp_path)
+        train(lsq_loss, rule(), W0, DATA, TrainConfig(workers=4, num_updates=40, batch_size=4, out=str(tmp_path)))
     with pytest.raises(ValueError, match="batch_size: checkpoint 4 vs now 8"):  # a different run is refused
-        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=8, out_dir=tmp_path, resume=True)
+        train(
+            lsq_loss,
+            rule(),
+            W0,
+            DATA,
+            TrainConfig(workers=4, num_updates=40, batch_size=8, out=str(tmp_path), resume=True),
+        )
     result = train(
-        lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
-        devices=jax.devices()[:4], out_dir=tmp_path, checkpoint_every=5, resume=True,
-    )  # fmt: skip
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(
+            workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path), checkpoint_every=5, resume=True
+        ),
+        devices=jax.devices()[:4],
+    )
     assert 5 <= result.resumed_from <= trace_lines and result.resumed_from % 5 == 0
     assert result.pushes_applied == 40 and result.pushes_sent == result.pushes_applied + result.pushes_rejected
     np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
@@ -125,53 +138,92 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", batch)
     monkeypatch.setattr(asgd_jax.store.ParameterStore, "wait_closed", wait_closed)
     with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
-        train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
-              devices=jax.devices()[:4], out_dir=tmp_path)  # fmt: skip
+        train(
+            lsq_loss,
+            rule(),
+            W0,
+            DATA,
+            TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path)),
+            devices=jax.devices()[:4],
+        )
     stopped_at = _header(tmp_path)["applied"]
     assert 0 < stopped_at < 40  # the final checkpoint holds every applied update (no checkpoint_every was set)
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", original)
     monkeypatch.setattr(asgd_jax.store.ParameterStore, "wait_closed", original_wait)
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
-                   devices=jax.devices()[:4], out_dir=tmp_path, resume=True)  # fmt: skip
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path), resume=True),
+        devices=jax.devices()[:4],
+    )
     assert result.resumed_from == stopped_at and result.pushes_applied == 40
     np.testing.assert_allclose(replay(result.trace_path, 40), result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_sync_mode_is_the_simulators_ssgd():
-    key = jax.random.key(3)
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=12, batch_size=4, key=key, mode="sync",
-                   devices=jax.devices()[:4])  # fmt: skip
+    seed = 3
+    key = jax.random.key(seed)
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=4, num_updates=12, batch_size=4, seed=seed, mode="sync"),
+        devices=jax.devices()[:4],
+    )
     assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
     assert [w.pushes for w in result.workers] == [12] * 4
-    sim = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=asgd_jax.delays.Workers(4),
-                            mode="sync", batch_size=4, num_updates=12, key=key, progress=False)  # fmt: skip
+    sim = asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=asgd_jax.delays.Workers(4),
+        mode="sync",
+        batch_size=4,
+        num_updates=12,
+        key=key,
+        progress=False,
+    )
     np.testing.assert_allclose(sim.params, result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_a_group_of_two_devices_averages_like_one_worker_with_the_doubled_batch(tmp_path):
     # 2 workers x 2 devices, 4 examples per device: the replay with one device per worker and batch 8 agrees.
-    key = jax.random.key(3)
+    seed = 3
     jax.config.update("jax_transfer_guard", "disallow")
     try:
-        result = train(lsq_loss, rule(), W0, DATA, num_workers=2, steps=20, batch_size=8, key=key,
-                       devices=jax.devices()[:4], devices_per_worker=2, out_dir=tmp_path)  # fmt: skip
+        result = train(
+            lsq_loss,
+            rule(),
+            W0,
+            DATA,
+            TrainConfig(workers=2, num_updates=20, batch_size=8, seed=seed, devices_per_worker=2, out=str(tmp_path)),
+            devices=jax.devices()[:4],
+        )
     finally:
         jax.config.update("jax_transfer_guard", "allow")
-    np.testing.assert_allclose(replay(result.trace_path, 20, num=2, batch_size=8), result.params, rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(replay(result.trace_path, 20, num=2, batch_size=8), result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_warm_start_trains_one_worker_first_then_everyone_starts_from_its_weights(tmp_path):
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=30, warm_start_steps=10, batch_size=4,
-                   key=jax.random.key(3), devices=jax.devices()[:4], out_dir=tmp_path)  # fmt: skip
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=4, num_updates=30, warm_start_steps=10, batch_size=4, seed=3, out=str(tmp_path)),
+        devices=jax.devices()[:4],
+    )
     warm_trace = [json.loads(line) for line in (tmp_path / "warmup" / "trace.jsonl").read_text().splitlines()]
     assert [r["worker"] for r in warm_trace] == [0] * 10
     warm_params, _ = checkpoint.load_model(tmp_path / "warmup", W0)
     assert np.abs(warm_params).sum() > 0
     assert result.pushes_applied == 20  # the asynchronous phase: steps - warm_start_steps
-    np.testing.assert_allclose(replay(result.trace_path, 20, params=warm_params), result.params, rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(replay(result.trace_path, 20, params=warm_params), result.params, rtol=1e-5, atol=1e-6)
     # --warm-start CHECKPOINT: a saved model loads into a fresh model's structure; another model is refused.
     params, _ = checkpoint.load_model(tmp_path / "model.npz", W0)
     np.testing.assert_array_equal(params, result.params)
@@ -185,9 +237,15 @@ def test_evaluation_runs_beside_the_workers_and_metrics_stream_to_jsonl(tmp_path
     def eval_fn(w, model_state):
         return {"loss": lsq_loss(w, DATA), "norm": jnp.linalg.norm(w)}
 
-    result = train(lsq_loss, rule(), W0, DATA, num_workers=4, steps=40, batch_size=4, key=jax.random.key(3),
-                   devices=jax.devices()[:4], out_dir=tmp_path, eval_fn=eval_fn, eval_every=10,
-                   log_every=0.01)  # fmt: skip
+    result = train(
+        lsq_loss,
+        rule(),
+        W0,
+        DATA,
+        TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path), eval_every=10, log_every=0.01),
+        devices=jax.devices()[:4],
+        eval_fn=eval_fn,
+    )
     assert [e["update"] for e in result.evals] == [10, 20, 30, 40]
     np.testing.assert_allclose(result.evals[-1]["norm"], np.linalg.norm(result.params), rtol=1e-6)
     assert result.evals[-1]["loss"] < result.evals[0]["loss"]

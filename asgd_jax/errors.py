@@ -1,0 +1,74 @@
+"""Errors a user can cause, and the one set of checks that raise them.
+
+Every check names the argument (or flag) it rejects, the value it got and what is allowed, and raises
+:class:`ConfigError`, a ``ValueError``: Python callers catch ``ValueError`` as before, and the command line reports a
+``ConfigError`` in one line (exit status 2) while any other exception, a bug, keeps its traceback.
+
+Example:
+  >>> from asgd_jax import errors
+  >>> errors.positive_int("n_sync", 4)
+  4
+  >>> errors.positive_int("n_sync", 0)
+  Traceback (most recent call last):
+  ...
+  asgd_jax.errors.ConfigError: n_sync=0 is invalid: use an int >= 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ConfigError", "choice", "finite_number", "int_at_least", "positive_int", "require"]
+
+
+class ConfigError(ValueError):
+    """A setting a user gave is invalid; the message names it, the value and what is allowed."""
+
+
+def require(ok: bool, name: str, value: Any, allowed: str, flag: str | None = None) -> None:
+    """Raises ``ConfigError("<name>=<value> (<flag>) is invalid: <allowed>.")`` unless ``ok``; ``flag`` names the
+    command-line flag that sets ``name``, when there is one."""
+    if not ok:
+        where = f" ({flag})" if flag else ""
+        raise ConfigError(f"{name}={value!r}{where} is invalid: {allowed}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def int_at_least(name: str, value: Any, lowest: int, flag: str | None = None) -> int:
+    """``value`` as an int, if it is an int >= ``lowest``."""
+    require(_is_int(value) and value >= lowest, name, value, f"use an int >= {lowest}", flag)
+    return int(value)
+
+
+def positive_int(name: str, value: Any, flag: str | None = None) -> int:
+    """``value`` as an int, if it is an int >= 1."""
+    return int_at_least(name, value, 1, flag)
+
+
+def finite_number(
+    name: str, value: Any, *, lowest: float | None = None, positive: bool = False, flag: str | None = None
+) -> float:
+    """``value`` as a float, if it is a finite real number (>= ``lowest``, or > 0 with ``positive``)."""
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    ok = ok and math.isfinite(float(value))
+    if positive:
+        require(ok and float(value) > 0, name, value, "use a finite number > 0", flag)
+    elif lowest is not None:
+        require(ok and float(value) >= lowest, name, value, f"use a finite number >= {lowest:g}", flag)
+    else:
+        require(ok, name, value, "use a finite number", flag)
+    return float(value)
+
+
+def choice(name: str, value: Any, choices: Iterable[str], flag: str | None = None) -> str:
+    """``value``, if it is one of ``choices``."""
+    choices = list(choices)
+    require(value in choices, name, value, f"use one of {', '.join(map(repr, choices))}", flag)
+    return value

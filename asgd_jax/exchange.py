@@ -1,0 +1,327 @@
+"""What a worker computes between two exchanges with the server, shared by the simulator and both trainer backends.
+
+* :class:`Loss`: a loss function with its form declared (with or without model state, with or without auxiliary
+  metrics), never guessed from what it returns.
+* :class:`Exchange`: everything static about a worker's exchange period (SSGD or not, ``n_sync`` minibatches, the push
+  mode, batch and shard sizes); :meth:`Exchange.create` validates it against the data before anything compiles.
+* :func:`work`: the exchange period itself, ``n_sync`` minibatches from the pulled weights to the pushed payload; the
+  simulator scans it and :func:`worker_function` jits it for a trainer's worker.
+* The run's keys (:func:`split_key`) and the SSGD mean of the workers' payloads (:func:`mean_tree`, :func:`host_mean`).
+
+Example:
+  >>> import jax.numpy as jnp, asgd_jax
+  >>> loss = asgd_jax.exchange.Loss(lambda w, b: jnp.mean((b["x"] @ w) ** 2))
+  >>> loss.has_model_state, loss.has_aux
+  (False, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asgd_jax import errors
+
+__all__ = [
+    "MODES",
+    "PUSHES",
+    "Exchange",
+    "Loss",
+    "as_loss",
+    "host_mean",
+    "key_fingerprint",
+    "mean_tree",
+    "split_key",
+    "work",
+    "worker_function",
+]
+
+MODES = ("async", "sync")
+PUSHES = ("gradients", "delta", "accumulate")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The loss and its declared form.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A loss function and its declared form.
+
+    ======================  =================================================================================
+    declared                 ``fn`` is
+    ======================  =================================================================================
+    (neither)                ``fn(params, batch) -> loss``
+    ``has_aux``              ``fn(params, batch) -> (loss, aux)``
+    ``has_model_state``      ``fn(params, model_state, batch, key) -> (loss, new_model_state)``
+    both                     ``fn(params, model_state, batch, key) -> (loss, (new_model_state, aux))``
+    ======================  =================================================================================
+
+    ``aux`` is a dict of scalar training metrics (e.g. ``{"error": ...}``); ``key`` drives the model's randomness
+    (dropout, augmentation). :func:`asgd_jax.classification_loss` returns a ``Loss`` with both declared.
+    """
+
+    fn: Callable
+    has_model_state: bool = False
+    has_aux: bool = False
+
+    def __post_init__(self):
+        errors.require(callable(self.fn), "loss_fn", self.fn, "give a function")
+        for name in ("has_model_state", "has_aux"):
+            errors.require(isinstance(getattr(self, name), bool), name, getattr(self, name), "use True or False")
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def form(self) -> str:
+        """The declared form, as a signature."""
+        args = "params, model_state, batch, key" if self.has_model_state else "params, batch"
+        out = {
+            (False, False): "loss",
+            (False, True): "(loss, aux)",
+            (True, False): "(loss, new_model_state)",
+            (True, True): "(loss, (new_model_state, aux))",
+        }[(self.has_model_state, self.has_aux)]
+        return f"loss_fn({args}) -> {out}"
+
+    def normalized(self) -> Callable:
+        """``(params, model_state, batch, key) -> (loss, (model_state, aux))`` whatever the declared form."""
+        fn, stateful, aux = self.fn, self.has_model_state, self.has_aux
+        if stateful:
+            if aux:
+                return fn
+            return lambda p, ms, b, k: (lambda out: (out[0], (out[1], {})))(fn(p, ms, b, k))
+        if aux:
+            return lambda p, ms, b, k: (lambda out: (out[0], (ms, out[1])))(fn(p, b))
+        return lambda p, ms, b, k: (fn(p, b), (ms, {}))
+
+    def check(self, params: Any, model_state: Any, batch: Any) -> None:
+        """Traces the loss once on a minibatch's shapes (no compilation) and raises a ``ConfigError`` that names the
+        declared form when what it returns does not fit it."""
+        key = jax.eval_shape(lambda: jax.random.key(0))  # abstract: nothing is placed on a device
+        try:
+            out = jax.eval_shape(
+                (lambda p, ms, b, k: self.fn(p, ms, b, k))
+                if self.has_model_state
+                else (lambda p, ms, b, k: self.fn(p, b)),
+                params,
+                model_state,
+                batch,
+                key,
+            )
+        except TypeError as e:
+            raise errors.ConfigError(f"the loss does not take the declared form {self.form}: {e}") from None
+        loss, rest = (out, None) if not (self.has_model_state or self.has_aux) else _pair(out, self.form)
+        problem = None
+        if jnp.shape(loss) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            problem = f"its loss is {loss.dtype}{list(jnp.shape(loss))}, not a float scalar"
+        elif self.has_model_state:
+            new_state, aux = _pair(rest, self.form) if self.has_aux else (rest, {})
+            if jax.tree.structure(new_state) != jax.tree.structure(model_state):
+                problem = (
+                    f"its new model state has the structure {jax.tree.structure(new_state)}, the model state "
+                    f"{jax.tree.structure(model_state)}"
+                )
+            elif self.has_aux and not _scalar_dict(aux):
+                problem = f"its aux is {aux!r}, not a dict of scalars"
+        elif self.has_aux and not _scalar_dict(rest):
+            problem = f"its aux is {rest!r}, not a dict of scalars"
+        if problem:
+            raise errors.ConfigError(
+                f"the loss does not return what its declared form {self.form} says: {problem}. Declare the form it "
+                "has (asgd_jax.exchange.Loss(fn, has_model_state=..., has_aux=...), or has_aux= in simulate)."
+            )
+
+
+def _pair(out: Any, form: str) -> tuple[Any, Any]:
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise errors.ConfigError(f"the loss returned {out!r}, but its declared form {form} returns a pair.")
+    return out[0], out[1]
+
+
+def _scalar_dict(aux: Any) -> bool:
+    return isinstance(aux, dict) and all(jnp.shape(v) == () for v in aux.values())
+
+
+def as_loss(loss_fn: Callable | Loss, *, has_model_state: bool, has_aux: bool = False) -> Loss:
+    """``loss_fn`` as a :class:`Loss`: a ``Loss`` keeps the form it declares (which must agree with whether the caller
+    passed a model state), a plain function gets the form given here."""
+    if isinstance(loss_fn, Loss):
+        if loss_fn.has_model_state != has_model_state:
+            fix = "pass model_state=<the model's initial state>" if loss_fn.has_model_state else "drop model_state"
+            raise errors.ConfigError(
+                f"the loss declares has_model_state={loss_fn.has_model_state} ({loss_fn.form}) but model_state "
+                f"{'was not' if loss_fn.has_model_state else 'was'} given: {fix}."
+            )
+        return loss_fn
+    return Loss(loss_fn, has_model_state=has_model_state, has_aux=has_aux)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The exchange period.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """Everything static about a worker's exchange period: it decides the compiled program.
+
+    Attributes:
+      mode: ``"async"`` (A-SGD) or ``"sync"`` (SSGD: the mean of the M workers' payloads is applied once).
+      n_sync: minibatches a worker computes between two exchanges (GPU A-SGD).
+      push: with ``n_sync > 1``, ``"gradients"`` (local steps, push the summed gradients), ``"delta"`` (local steps,
+        push ``w_pulled - w_local``) or ``"accumulate"`` (no local steps, push the summed gradients).
+      batch_size: minibatch of every worker.
+      num_examples: training examples N.
+      shard_size: examples per worker's shard in an epoch (``N // num_shards``).
+      stateful: the loss carries a model state (BatchNorm statistics).
+    """
+
+    mode: str
+    n_sync: int
+    push: str
+    batch_size: int
+    num_examples: int
+    shard_size: int
+    stateful: bool
+
+    @classmethod
+    def create(
+        cls,
+        data: Any,
+        num_shards: int,
+        *,
+        mode: str = "async",
+        n_sync: int = 1,
+        push: str = "gradients",
+        batch_size: int = 32,
+        local_learning_rate: float | None = None,
+        stateful: bool = False,
+    ) -> Exchange:
+        """Validates the settings against the data (every mistake is reported here, before anything is traced)."""
+        errors.choice("mode", mode, MODES)
+        errors.choice("push", push, PUSHES)
+        n_sync = errors.positive_int("n_sync", n_sync)
+        batch_size = errors.positive_int("batch_size", batch_size)
+        if n_sync > 1 and push != "accumulate":
+            if local_learning_rate is None:
+                raise errors.ConfigError(
+                    f"n_sync={n_sync} (--n-sync) with push={push!r} takes local SGD steps between exchanges: pass "
+                    "local_learning_rate=<float> (--local-lr), or use push='accumulate' (no local steps)."
+                )
+            errors.finite_number("local_learning_rate", local_learning_rate, positive=True)
+        num_examples = _num_examples(data)
+        shard_size = num_examples // num_shards
+        if batch_size > shard_size:
+            raise errors.ConfigError(
+                f"batch_size={batch_size} is larger than a shard: {num_examples} examples over {num_shards} "
+                f"shards leaves {shard_size} per shard. Lower batch_size or the number of workers."
+            )
+        return cls(mode, n_sync, push, batch_size, num_examples, shard_size, bool(stateful))
+
+
+def _num_examples(data: Any) -> int:
+    leaves = jax.tree.leaves(data)
+    if not leaves:
+        raise errors.ConfigError(
+            "data is empty: pass a pytree of arrays with a leading example axis, e.g. {'x': x, 'y': y}."
+        )
+    sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if len(sizes) != 1 or -1 in sizes:
+        raise errors.ConfigError(
+            f"data leaves have leading sizes {sorted(sizes)}: every leaf needs the same leading example axis."
+        )
+    return sizes.pop()
+
+
+def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr):
+    """One worker's exchange period: ``n_sync`` minibatches (``batches``, stacked) from the pulled weights.
+
+    ``grad_fn`` is ``jax.value_and_grad(loss.normalized(), has_aux=True)``. Returns ``(payload, model_state, loss,
+    aux)``, the loss and aux averaged over the minibatches.
+    """
+    if ex.n_sync == 1:
+        (loss, (model_state, aux)), g = grad_fn(params0, model_state0, jax.tree.map(lambda b: b[0], batches), key)
+        payload = jax.tree.map(lambda x: local_lr * x, g) if ex.push == "delta" else g
+        return payload, model_state, loss, aux
+
+    local_steps = ex.push != "accumulate"
+
+    def body(carry, inputs):
+        params, model_state, acc = carry
+        batch, i = inputs
+        at = params if local_steps else params0
+        (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
+        acc = jax.tree.map(jnp.add, acc, g)
+        if local_steps:
+            params = jax.tree.map(lambda p, x: p - local_lr * x, params, g)
+        return (params, model_state, acc), (loss, aux)
+
+    zeros = jax.tree.map(jnp.zeros_like, params0)
+    (params, model_state, acc), (losses, auxes) = jax.lax.scan(
+        body, (params0, model_state0, zeros), (batches, jnp.arange(ex.n_sync))
+    )
+    # "delta" pushes the descent direction w_pulled - w_local, which the server's rule treats like a gradient.
+    payload = jax.tree.map(jnp.subtract, params0, params) if ex.push == "delta" else acc
+    return payload, model_state, losses.mean(), jax.tree.map(jnp.mean, auxes)
+
+
+def worker_function(loss: Loss, ex: Exchange, num_workers: int, local_learning_rate: float | None) -> Callable:
+    """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
+    (payload, model_state, loss, aux)``: :func:`work` with the simulator's keys, so a recorded run replays."""
+    grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
+    local_lr = np.float32(0.0 if local_learning_rate is None else local_learning_rate)  # a compile-time constant
+
+    def run(p, ms, b, k, v, w):  # the update's model key is made on the device from explicit inputs
+        # SSGD splits the update's key over the workers; an asynchronous worker folds in the version it pulled, then
+        # its id (see asgd_jax.simulator).
+        k = jax.random.fold_in(k, v)
+        k = jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
+        return work(grad_fn, ex, p, ms, b, k, local_lr)
+
+    return jax.jit(run)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Keys and means.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A run's key split into its ``(data, delay, model)`` keys: the data order, the delay model's draws and the
+    model's randomness."""
+    data_key, delay_key, model_key = jax.random.split(key, 3)
+    return data_key, delay_key, model_key
+
+
+def key_fingerprint(keys: jax.Array) -> str:
+    """A short hash of a key (or of an array of keys), to tell runs apart in checkpoint headers."""
+    return hashlib.sha256(np.asarray(jax.random.key_data(keys)).tobytes()).hexdigest()[:16]
+
+
+def mean_tree(tree: Any) -> Any:
+    """The SSGD mean over a leading worker axis, on the device: floats averaged, integers taken from worker 0."""
+    return jax.tree.map(
+        lambda x: x.mean(axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0],
+        tree,
+    )
+
+
+def host_mean(trees: list[Any]) -> Any:
+    """The SSGD mean of the workers' payloads on the host, in worker order (what the trainers apply)."""
+
+    def mean(*xs):
+        x = np.asarray(xs[0])
+        if np.issubdtype(x.dtype, np.inexact):
+            return np.mean(np.stack(xs), axis=0).astype(x.dtype)
+        return x
+
+    return jax.tree.map(mean, *trees)

@@ -1,0 +1,530 @@
+"""What both trainer backends share: a worker's devices, the metrics log, the evaluator, the result, the wind-down.
+
+The threaded backend (:mod:`asgd_jax.threads`) and the Ray backend (:mod:`asgd_jax.ray_backend`) each import this
+module and never each other; :func:`asgd_jax.trainer.train` picks one. A session ends the same way on either
+(:func:`finish`): a final evaluation of the store's weights, ``model.npz``, the final record of ``metrics.jsonl`` and
+``summary.json``, then the result, or the exception that says why the run stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asgd_jax import checkpoint, errors, exchange
+
+__all__ = [
+    "BACKENDS",
+    "DeviceGroup",
+    "Evaluator",
+    "MetricsLog",
+    "Outcome",
+    "TrainConfig",
+    "TrainResult",
+    "WorkerStats",
+    "device_groups",
+    "finish",
+    "stack_batches",
+]
+
+log = logging.getLogger("asgd_jax.session")
+
+MODEL = "model.npz"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+TRACE = "trace.jsonl"
+CHECKPOINT = "checkpoint.npz"
+
+
+BACKENDS = ("threads", "ray")
+FAILURE_POLICIES = ("continue", "stop")
+NONFINITE_POLICIES = ("reject", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run's settings, validated when made.
+
+    Each field is a flag of ``asgd-jax train`` with the same name (``n_sync`` is ``--n-sync``; ``progress=False`` is
+    ``--no-progress``; ``--steps`` is an alias of ``--num-updates``); a TOML or JSON ``--config`` file uses the same
+    names. The model, data and rule are :func:`asgd_jax.trainer.train`'s other arguments.
+
+    Attributes:
+      workers: M workers (threads, or Ray actors).
+      num_updates: server updates (applied pushes) of the whole run, warm-up included.
+      batch_size: minibatch of every worker.
+      seed: the run's key is ``jax.random.key(seed)``: it fixes every worker's minibatch order and model randomness
+        (the simulator's, for replay).
+      mode: ``"async"`` (A-SGD) or ``"sync"`` (SSGD on the same devices: the mean of the M payloads applied once per
+        round; equals ``simulate(mode="sync")``).
+      n_sync, push, local_lr: the exchange period (GPU A-SGD; see :class:`asgd_jax.exchange.Exchange`).
+      devices_per_worker: devices per worker; worker w owns group ``w mod (devices // devices_per_worker)``, its
+        minibatch is split over the group and the gradients averaged inside it.
+      out: the run's folder: ``trace.jsonl``, ``metrics.jsonl``, ``checkpoint.npz``, ``model.npz``, ``summary.json``.
+      checkpoint_every: updates between checkpoints (default: a tenth of the run); needs ``out``.
+      resume: continue from ``out``'s checkpoint (an existing checkpoint is otherwise an error).
+      warm_start_steps: first this many updates with a single worker, then all M start from its weights.
+      eval_every: updates between evaluations (default: a tenth of the run), when an ``eval_fn`` is given.
+      log_every: seconds between records of ``metrics.jsonl`` (and progress-bar refreshes).
+      progress: show a progress bar.
+      on_worker_failure: ``"continue"`` (the others carry on) or ``"stop"``; SSGD always stops.
+      on_nonfinite: a NaN/Inf push is ``"reject"``-ed (counted) or ``"stop"``-s the run.
+      slowdown: ``{worker: factor}`` makes those workers ``factor`` times slower (stragglers).
+      timeout: seconds after which the run is stopped regardless.
+      backend: ``"threads"`` (this machine's devices) or ``"ray"`` (actors on a Ray cluster).
+      ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made); default: a local instance.
+      max_restarts: Ray: how often a dead worker actor is restarted before it is dropped.
+
+    Example:
+      >>> from asgd_jax.trainer import TrainConfig
+      >>> TrainConfig(workers=4, num_updates=100).n_sync
+      1
+      >>> TrainConfig(workers=0)
+      Traceback (most recent call last):
+      ...
+      asgd_jax.errors.ConfigError: workers=0 (--workers) is invalid: use an int >= 1.
+    """
+
+    workers: int = 4
+    num_updates: int = 2_000
+    batch_size: int = 32
+    seed: int = 0
+    mode: str = "async"
+    n_sync: int = 1
+    push: str = "gradients"
+    local_lr: float | None = None
+    devices_per_worker: int = 1
+    out: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    warm_start_steps: int = 0
+    eval_every: int | None = None
+    log_every: float = 1.0
+    progress: bool = True
+    on_worker_failure: str = "continue"
+    on_nonfinite: str = "reject"
+    slowdown: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    timeout: float = 24 * 3600.0
+    backend: str = "threads"
+    ray_address: str | None = None
+    max_restarts: int = 0
+
+    def __post_init__(self):
+        flag = lambda name: "--" + name.replace("_", "-")
+        for name in ("workers", "num_updates", "batch_size", "n_sync", "devices_per_worker"):
+            errors.int_at_least(name, getattr(self, name), 1, flag(name))
+        for name in ("seed", "warm_start_steps", "max_restarts"):
+            errors.int_at_least(name, getattr(self, name), 0, flag(name))
+        for name in ("checkpoint_every", "eval_every"):
+            if getattr(self, name) is not None:
+                errors.int_at_least(name, getattr(self, name), 1, flag(name))
+        for name, choices in (
+            ("mode", exchange.MODES),
+            ("push", exchange.PUSHES),
+            ("backend", BACKENDS),
+            ("on_worker_failure", FAILURE_POLICIES),
+            ("on_nonfinite", NONFINITE_POLICIES),
+        ):
+            errors.choice(name, getattr(self, name), choices, flag(name))
+        errors.finite_number("log_every", self.log_every, positive=True, flag=flag("log_every"))
+        errors.finite_number("timeout", self.timeout, positive=True, flag=flag("timeout"))
+        if self.local_lr is not None:
+            errors.finite_number("local_lr", self.local_lr, positive=True, flag=flag("local_lr"))
+        errors.require(
+            self.warm_start_steps < self.num_updates,
+            "warm_start_steps",
+            self.warm_start_steps,
+            f"use fewer than num_updates={self.num_updates}",
+            flag("warm_start_steps"),
+        )
+        errors.require(
+            self.batch_size % self.devices_per_worker == 0,
+            "batch_size",
+            self.batch_size,
+            f"use a multiple of devices_per_worker={self.devices_per_worker}",
+            flag("batch_size"),
+        )
+        if self.out is None:
+            errors.require(
+                self.checkpoint_every is None,
+                "checkpoint_every",
+                self.checkpoint_every,
+                "checkpoints need an output folder: pass out (--out) too",
+                flag("checkpoint_every"),
+            )
+            errors.require(not self.resume, "resume", self.resume, "a resume needs out (--out)", flag("resume"))
+        slowdown = dict(self.slowdown or {})
+        for w, factor in slowdown.items():
+            ok = isinstance(w, int) and 0 <= w < self.workers and isinstance(factor, int | float) and factor >= 1
+            errors.require(
+                ok, "slowdown", slowdown, f"use {{worker in [0, {self.workers}): factor >= 1}}", "--slowdown W:F"
+            )
+        object.__setattr__(self, "slowdown", slowdown)
+        object.__setattr__(self, "out", None if self.out is None else os.fspath(self.out))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def key(self) -> jax.Array:
+        """The run's key, ``jax.random.key(seed)`` (made on the default device, deliberately)."""
+        with jax.transfer_guard("allow"):
+            return jax.random.key(self.seed)
+
+    def checkpoint_interval(self) -> int | None:
+        """Updates between checkpoints: ``checkpoint_every``, or a tenth of the run with an output folder."""
+        if self.out is None:
+            return None
+        return self.checkpoint_every or max(1, self.num_updates // 10)
+
+    def eval_interval(self) -> int:
+        """Updates between evaluations: ``eval_every``, or a tenth of the run."""
+        return self.eval_every or max(1, self.num_updates // 10)
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    """Where one worker's time went (seconds, this session).
+
+    Attributes:
+      pushes: payloads it sent.
+      compute: in its jitted exchange-period function (including the device transfers around it).
+      data: waiting for minibatches.
+      exchange: waiting for the store (push applied, fresh weights back) or, in sync mode, for the round.
+      total: its whole loop.
+    """
+
+    pushes: int = 0
+    compute: float = 0.0
+    data: float = 0.0
+    exchange: float = 0.0
+    total: float = 0.0
+
+    @property
+    def overhead(self) -> float:
+        """Fraction of the worker's time spent outside gradient computation."""
+        return 1.0 - self.compute / self.total if self.total > 0 else 0.0
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`asgd_jax.trainer.train` returns.
+
+    Attributes:
+      params, model_state: the store's final weights and model state.
+      pushes_sent: pushes the workers sent (over all sessions of a resumed run); ``pushes_applied + pushes_rejected``
+        always equals it.
+      pushes_applied, pushes_rejected: the store's counts.
+      pushes_late: of the rejected, those that merely arrived after the budget was reached (in flight at the end).
+      failures: ``{worker: "ExceptionType: message"}`` for workers that died.
+      trace_path, checkpoint_path, metrics_path: files in the output folder (``None`` without one).
+      seconds: wall time of the run phase (this session).
+      losses: per worker, the training losses of its pushes (this session).
+      workers: per worker, where its time went (:class:`WorkerStats`).
+      evals: the evaluations, ``{"update": t, "time": s, **eval_fn(...)}`` in update order.
+      resumed_from: the update the run resumed at (0 for a fresh run).
+      staleness_counts: ``{staleness: applied pushes}`` over the whole run.
+    """
+
+    params: Any
+    model_state: Any
+    pushes_sent: int
+    pushes_applied: int
+    pushes_rejected: int
+    pushes_late: int
+    failures: dict[int, str]
+    trace_path: str | None
+    checkpoint_path: str | None
+    metrics_path: str | None
+    seconds: float
+    losses: dict[int, list[float]]
+    workers: list[WorkerStats]
+    evals: list[dict[str, float]]
+    resumed_from: int
+    staleness_counts: dict[int, int]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Devices and data.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class DeviceGroup:
+    """A worker's devices: the shardings of its mesh, and the run's model key placed on them once."""
+
+    def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array):
+        mesh = Mesh(np.array(devices), ("batch",))
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_sharded = NamedSharding(mesh, P(None, "batch"))
+        self.model_key = jax.device_put(model_key, self.replicated)
+
+    def place(self, worker: int, params, model_state, batches, version: int) -> tuple:
+        """The inputs of :func:`asgd_jax.exchange.worker_function`'s function on this group; every host -> device
+        copy explicit."""
+        p, ms, v, i = jax.device_put((params, model_state, np.int32(version), np.int32(worker)), self.replicated)
+        return p, ms, jax.device_put(batches, self.batch_sharded), self.model_key, v, i
+
+
+def device_groups(devices: Sequence[jax.Device], per_worker: int) -> list[list[jax.Device]]:
+    """``devices`` cut into groups of ``per_worker`` (worker w owns group ``w mod len(groups)``)."""
+    per_worker = errors.positive_int("devices_per_worker", per_worker)
+    if per_worker > len(devices):
+        raise errors.ConfigError(
+            f"devices_per_worker={per_worker} but only {len(devices)} device(s) are available: use at most "
+            f"{len(devices)} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices)."
+        )
+    return [list(devices[i * per_worker : (i + 1) * per_worker]) for i in range(len(devices) // per_worker)]
+
+
+def stack_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """A worker's ``n_sync`` minibatches stacked on a leading axis (what the exchange period takes)."""
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# metrics.jsonl and the evaluator.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """``metrics.jsonl``: a record per log period (rates since the previous record), evaluation records, a final
+    record. Without an output folder the records are computed and dropped."""
+
+    def __init__(self, num_workers: int):
+        self.M = num_workers
+        self._file = None
+        self._lock = threading.Lock()
+        self._last: tuple = (time.perf_counter(), 0, [0] * num_workers, {})
+        self.error: BaseException | None = None
+
+    def open(
+        self,
+        out_dir: str | None,
+        *,
+        append: bool,
+        applied: int,
+        staleness_counts: dict[int, int],
+        pushes: list[int] | None = None,
+    ) -> None:
+        """Starts the file (appends on a resume) and the counts the first record's rates are taken from."""
+        if out_dir is not None:
+            self._file = open(os.path.join(out_dir, METRICS), "a" if append else "w")  # noqa: SIM115 (close())
+        self._last = (time.perf_counter(), applied, list(pushes or [0] * self.M), dict(staleness_counts))
+
+    def restart_clock(self, start: float) -> None:
+        self._last = (start, *self._last[1:])
+
+    def record(
+        self,
+        *,
+        applied: int,
+        rejected: int,
+        elapsed: float,
+        pushes: list[int],
+        new_losses: list[float],
+        staleness_counts: dict[int, int],
+        final: bool = False,
+    ) -> dict[str, Any]:
+        """The record of what happened since the previous one (``pushes``: per-worker totals so far)."""
+        now = time.perf_counter()
+        t_prev, applied_prev, pushes_prev, stale_prev = self._last
+        counts = dict(staleness_counts)
+        dt = max(now - t_prev, 1e-9)
+        record = {
+            "kind": "final" if final else "train",
+            "update": applied,
+            "time": elapsed,
+            "loss": float(np.mean(new_losses)) if new_losses else None,
+            "applied": applied,
+            "rejected": rejected,
+            "updates_per_second": (applied - applied_prev) / dt,
+            "worker_pushes_per_second": [(a - b) / dt for a, b in zip(pushes, pushes_prev, strict=True)],
+            "staleness_histogram": {
+                str(k): v - stale_prev.get(k, 0) for k, v in sorted(counts.items()) if v - stale_prev.get(k, 0)
+            },
+        }
+        self._last = (now, applied, list(pushes), counts)
+        return record
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Appends a record; a failing write (a full disk) is kept in ``error`` for the run to stop on."""
+        with self._lock:
+            if self._file is None or self._file.closed or self.error is not None:
+                return
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as e:
+                self.error = e
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError as e:  # the last flush of a full disk
+                    self.error = self.error or e
+
+
+class Evaluator:
+    """Evaluates snapshots of the server's weights on its own device and thread, in the order they were taken."""
+
+    def __init__(self, eval_fn: Callable, device: jax.Device, write: Callable[[dict], None]):
+        self.fn, self.device, self.write = jax.jit(eval_fn), device, write
+        self.history: list[dict[str, float]] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._t0 = time.perf_counter()
+        self._thread: threading.Thread | None = None
+
+    def warm_up(self, params, model_state) -> None:
+        jax.block_until_ready(self.fn(*jax.device_put((params, model_state), self.device)))
+
+    def submit(self, version: int, params, model_state) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="evaluator")
+            self._thread.start()
+        self._queue.put((version, params, model_state))
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            version, params, model_state = item
+            try:
+                out = jax.device_get(self.fn(*jax.device_put((params, model_state), self.device)))
+            except Exception as e:  # an evaluation must never take training down
+                log.error("evaluation at update %d failed: %r", version, e)
+                continue
+            record = {
+                "update": version,
+                "time": time.perf_counter() - self._t0,
+                **{k: float(v) for k, v in out.items()},
+            }
+            self.history.append(record)
+            self.write({"kind": "eval", **record})
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def final(self, version: int, params, model_state) -> list[dict[str, float]]:
+        """Evaluates the final weights unless the last evaluation was of them; returns every evaluation."""
+        self.close()
+        if not self.history or self.history[-1]["update"] != version:
+            self.submit(version, params, model_state)
+            self.close()
+        return self.history
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The wind-down.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a backend knows when its workers have stopped: the store's final state and counts, and how it ended."""
+
+    params: Any
+    model_state: Any
+    status: dict[str, Any]  # received, applied, rejected, late, resumed_from, staleness_counts, error
+    failures: dict[int, str]
+    seconds: float
+    losses: dict[int, list[float]]
+    workers: list[WorkerStats]
+    interrupted: bool = False
+    timed_out: bool = False
+
+
+def finish(
+    outcome: Outcome,
+    *,
+    out_dir: str | None,
+    metrics: MetricsLog,
+    evaluator: Evaluator | None,
+    final_record: Callable[[], dict[str, Any]],
+    summary: dict[str, Any],
+) -> TrainResult:
+    """Ends a session the same way on every backend: the final evaluation, ``model.npz``, the final metrics record
+    and ``summary.json`` (when the weights are finite), then the result or the exception that says why the run
+    stopped (Ctrl-C, the store's error)."""
+    s = outcome.status
+    evals = [] if evaluator is None else evaluator.final(s["applied"], outcome.params, outcome.model_state)
+    paths: dict[str, str] = {}
+    if out_dir is not None:
+        paths = {
+            k: os.path.join(out_dir, f) for k, f in (("trace", TRACE), ("checkpoint", CHECKPOINT), ("metrics", METRICS))
+        }
+        if all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(outcome.params)):
+            checkpoint.save_model(os.path.join(out_dir, MODEL), outcome.params, outcome.model_state)
+        metrics.write(final_record())
+    metrics.close()
+    result = TrainResult(
+        params=outcome.params,
+        model_state=outcome.model_state,
+        pushes_sent=s["received"],
+        pushes_applied=s["applied"],
+        pushes_rejected=s["rejected"],
+        pushes_late=s["late"],
+        failures=outcome.failures,
+        trace_path=paths.get("trace"),
+        checkpoint_path=paths.get("checkpoint"),
+        metrics_path=paths.get("metrics"),
+        seconds=outcome.seconds,
+        losses=outcome.losses,
+        workers=outcome.workers,
+        evals=evals,
+        resumed_from=s["resumed_from"],
+        staleness_counts=dict(sorted(s["staleness_counts"].items())),
+    )
+    if out_dir is not None:
+        _write_summary(out_dir, result, outcome, summary)
+    if outcome.interrupted:
+        raise KeyboardInterrupt(f"training interrupted at update {s['applied']}; resume=True continues")
+    if s["error"] is not None:
+        raise RuntimeError(f"training stopped: {s['error']}")
+    return result
+
+
+def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, extra: dict[str, Any]) -> None:
+    """``summary.json``: the run's outcome in one file (counts, the last evaluation, how it ended)."""
+    session_updates = result.pushes_applied - result.resumed_from
+    summary = {
+        "ended": "interrupted"
+        if outcome.interrupted
+        else "timeout"
+        if outcome.timed_out
+        else "stopped"
+        if outcome.status["error"] is not None
+        else "finished",
+        "error": outcome.status["error"],
+        "evals": result.evals,
+        "test_error": result.evals[-1].get("error") if result.evals else None,
+        "pushes_sent": result.pushes_sent,
+        "pushes_applied": result.pushes_applied,
+        "pushes_rejected": result.pushes_rejected,
+        "pushes_late": result.pushes_late,
+        "failures": result.failures,
+        "resumed_from": result.resumed_from,
+        "seconds": result.seconds,
+        "updates_per_second": session_updates / max(result.seconds, 1e-9),
+        "worker_overhead": [w.overhead for w in result.workers],
+        "staleness_counts": result.staleness_counts,
+        **extra,
+    }
+    try:
+        with open(os.path.join(out_dir, SUMMARY), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    except OSError as e:
+        log.error("could not write %s: %r", os.path.join(out_dir, SUMMARY), e)
