@@ -274,8 +274,8 @@ def _keep_the_driver_on_the_cpu() -> None:
     JAX starts its backends (it has not, in the CLI); a JAX without this private probe just keeps its default."""
     import jax
 
-    try:
-        from jax._src import xla_bridge
+    try:  # JAX's private probe, guarded: there is no public way to ask whether its backends have started
+        from jax._src import xla_bridge  # noqa: PLC2701
 
         started = xla_bridge.backends_are_initialized()
     except (ImportError, AttributeError):

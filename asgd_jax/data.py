@@ -22,7 +22,7 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["EMBEDDED", "Dataset", "DatasetNotPrepared", "load", "prepare", "tfds_source"]
+__all__ = ["clear_cache", "EMBEDDED", "Dataset", "DatasetNotPrepared", "load", "prepare", "tfds_source"]
 
 TFDS_DOCUMENTED = ("cifar10", "mnist", "fashion_mnist", "imagenet2012")
 
@@ -213,6 +213,12 @@ def _tfds_dataset(name: str, data_dir: str, train_split: str, test_split: str) -
     x_tr, x_te = _standardise(x_tr.astype(np.float64), x_te.astype(np.float64))
     num_classes = int(getattr(features[label_key], "num_classes", int(max(y_tr.max(), y_te.max())) + 1))
     return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=num_classes)
+
+
+def clear_cache() -> None:
+    """Forgets every dataset :func:`load` has cached, so the next call reads (or generates) it afresh."""
+    for cached in (_digits, _mnist1d, _tfds_dataset):
+        cached.cache_clear()
 
 
 def load(

@@ -37,14 +37,14 @@ class Event(NamedTuple):
     """One server update as the delay model sees it.
 
     Attributes:
-      push: slot whose backup the pushed gradient was computed at (int32).
-      pull: slot that records a snapshot of the new weights after the update (int32).
+      push_slot: slot whose backup the pushed gradient was computed at (int32).
+      pull_slot: slot that records a snapshot of the new weights after the update (int32).
       shard: data shard the pushing worker reads (int32).
       time: virtual time of the update (float32).
     """
 
-    push: jax.Array
-    pull: jax.Array
+    push_slot: jax.Array
+    pull_slot: jax.Array
     shard: jax.Array
     time: jax.Array
 

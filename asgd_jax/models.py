@@ -252,7 +252,10 @@ class NnxModel:
         """Returns ``(logits, new_model_state)``: the module merged, its streams reseeded with ``key``, in training or
         evaluation mode, called, and its BatchNorm statistics split out again."""
         graphdef, rest, tags = self._skeleton
-        module = nnx.merge(graphdef, params, model_state, jax.tree.map(lambda v: v, rest))
+        # Fresh variables at this trace level (the engines call apply inside grad, scan and vmap): a module may only
+        # mutate variables made where it runs.
+        fresh = lambda tree: jax.tree.map(lambda v: v, tree)
+        module = nnx.merge(graphdef, fresh(params), fresh(model_state), fresh(rest))
         if key is not None and tags:
             nnx.reseed(module, **dict.fromkeys(tags, key))
         if train:

@@ -82,7 +82,7 @@ class StoreActor:
         source = 0 if self.mode == "sync" else worker
         params, model_state, version = self.store.backup(source)
         host = jax.device_get((params, model_state))
-        return (*host, version, int(self.store.done[source]))
+        return (*host, version, int(self.store.positions[source]))
 
     def push_sync(self, worker: int, payload, version: int, model_state, loss: float | None = None):
         """SSGD: :meth:`ParameterStore.push_round`, answered as ``("ok", weights)``, ``("resync", why)`` (computed on
@@ -297,7 +297,7 @@ class _Driver:
         pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
         store_kwargs = {
             "model_state": jax.device_get(model_state),
-            "max_updates": c.num_updates,
+            "num_updates": c.num_updates,
             "out_dir": self.out,
             "on_nonfinite": c.on_nonfinite,
             "checkpoint_dir": self.out,
@@ -352,7 +352,7 @@ class _Driver:
             self.out,
             append=bool(self.status["resumed_from"]),
             applied=self.status["applied"],
-            pushes=self.status["done"],
+            pushes=self.status["positions"],
             staleness_counts=self.status["staleness_counts"],
         )
 
@@ -369,7 +369,7 @@ class _Driver:
             applied=s["applied"],
             rejected=s["rejected"],
             elapsed=time.perf_counter() - self.start_time,
-            pushes=s["done"],
+            pushes=s["positions"],
             new_losses=self.losses,
             staleness_counts=s["staleness_counts"],
             final=final,

@@ -256,19 +256,19 @@ def _async_update(c: _Ctx, state: SimState, k_delay: jax.Array):
     if live:
         params0, model_state0 = state.server.params, state.server.model_state
     else:
-        params0, model_state0 = server.snapshot(state.server, event.push)
+        params0, model_state0 = server.snapshot(state.server, event.push_slot)
     # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
     # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
-    pulled = server.snapshot_version(state.server, event.push)
-    k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), event.push)
+    pulled = server.snapshot_version(state.server, event.push_slot)
+    k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), event.push_slot)
     ds, batches = _take(c.data, c.data_words, ex, state.data, event.shard)
     payload, model_state, loss, aux = exchange.work(c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr)
     srv, staleness = server.push(
-        c.rule, state.server, event.push, payload, model_state if ex.stateful else None, stale_params=params0
+        c.rule, state.server, event.push_slot, payload, model_state if ex.stateful else None, stale_params=params0
     )  # the snapshot the gradient was computed at, read once
-    srv = server.pull(srv, event.pull, weights=not live)
+    srv = server.pull(srv, event.pull_slot, weights=not live)
     new = SimState(server=srv, delay=delay_state, data=ds, clock=event.time.astype(jnp.float32))
-    return new, (loss, aux, staleness, event.push, ex.n_sync * ex.batch_size)
+    return new, (loss, aux, staleness, event.push_slot, ex.n_sync * ex.batch_size)
 
 
 def _sync_update(c: _Ctx, state: SimState, k_delay: jax.Array, k_model: jax.Array):

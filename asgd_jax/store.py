@@ -69,7 +69,7 @@ class ParameterStore:
       params: initial weights w_0.
       num_workers: M; worker ids are ``0..M-1``.
       model_state: initial non-trained model state (BatchNorm), or ``None``.
-      max_updates: close after this many applied pushes (``None``: never).
+      num_updates: close after this many applied pushes (``None``: never).
       out_dir: if given, ``trace.jsonl`` is written there as pushes are applied.
       on_nonfinite: ``"reject"`` (count and drop the push) or ``"stop"`` (close the store with an error).
       device: where the server state lives (default: the first CPU device).
@@ -90,7 +90,7 @@ class ParameterStore:
         num_workers: int,
         *,
         model_state: Any = None,
-        max_updates: int | None = None,
+        num_updates: int | None = None,
         out_dir: str | os.PathLike | None = None,
         on_nonfinite: str = "reject",
         device: jax.Device | None = None,
@@ -109,7 +109,7 @@ class ParameterStore:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise errors.ConfigError(f"{name}={value!r} is invalid: use an int >= 1, or None.")
         self.device = device or jax.devices("cpu")[0]
-        self.num_workers, self.max_updates, self.on_nonfinite = num_workers, max_updates, on_nonfinite
+        self.num_workers, self.num_updates, self.on_nonfinite = num_workers, num_updates, on_nonfinite
         with jax.default_device(self.device):
             params, model_state = jax.device_put((params, model_state), self.device)  # explicit, never implicit
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
@@ -117,7 +117,7 @@ class ParameterStore:
         self._ids = [jax.device_put(np.int32(w), self.device) for w in range(num_workers)]  # placed once, not per push
         self.received = self.applied = self.rejected = 0
         self.late = 0  # of the rejected: pushes that arrived after the store closed (the budget was reached)
-        self.done = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
+        self.positions = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
         self.staleness_counts: collections.Counter[int] = collections.Counter()
         self.header = dict(header or {}, num_workers=num_workers)
         self.checkpoint_path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), CHECKPOINT)
@@ -269,6 +269,13 @@ class ParameterStore:
                 self._round_abort = why
             self._round_cv.notify_all()
 
+    def lower_exchange(self, worker: int, payload: Any, model_state: Any = None) -> jax.stages.Lowered:
+        """The compiled exchange (push then pull) for ``worker``'s ``payload``, lowered, for inspection: what one push
+        costs (``.compile().as_text()`` is its optimised HLO)."""
+        self._check_worker(worker)
+        with self._lock:
+            return self._exchange.lower(self._state, self._id(worker), payload, model_state)
+
     def warm_up(self) -> None:
         """Compiles the exchange (and the backup lookup) now, on a scratch copy of the state, so the first push does
         not pay for compilation (hundreds of milliseconds; the trainer calls this before its clock starts)."""
@@ -321,7 +328,7 @@ class ParameterStore:
                 "closed": self.closed,
                 "error": None if self.error is None else str(self.error),
                 "resumed_from": self.resumed_from,
-                "done": [int(d) for d in self.done],
+                "positions": [int(d) for d in self.positions],
                 "staleness_counts": dict(self.staleness_counts),
             }
 
@@ -353,12 +360,12 @@ class ParameterStore:
 
     def _snapshot(self) -> tuple:
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
-        return _host_copy(self._state), self.done.copy(), counts, dict(self.staleness_counts)
+        return _host_copy(self._state), self.positions.copy(), counts, dict(self.staleness_counts)
 
     def _write(self, snapshot: tuple) -> None:
         state, done, counts, staleness = snapshot
         header = {**self.header, **counts, "staleness_counts": {str(k): v for k, v in staleness.items()}}
-        checkpoint.save(self.checkpoint_path, state, {"done": done}, header)
+        checkpoint.save(self.checkpoint_path, state, {"done": done}, header)  # "done": the name on disk
 
     def _write_loop(self) -> None:
         while (snapshot := self._writes.get()) is not None:
@@ -379,7 +386,7 @@ class ParameterStore:
         self._state = jax.device_put(state, self.device)
         self.applied, self.rejected, self.late = header["applied"], header["rejected"], header.get("late", 0)
         self.received = self.applied + self.rejected  # pushes in flight at the checkpoint are lost and sent again
-        self.done = np.asarray(arrays["done"], np.int64).copy()
+        self.positions = np.asarray(arrays["done"], np.int64).copy()
         self.staleness_counts.update({int(k): v for k, v in header["staleness_counts"].items()})
         self.resumed_from = self.applied
         log.info("resumed from %s at update %d", path, self.applied)
@@ -395,7 +402,7 @@ class ParameterStore:
             if item is None:
                 break
             worker, payload, pulled_version, model_state, future = item
-            if self._closed.is_set() and (self.max_updates is not None and self.applied >= self.max_updates):
+            if self._closed.is_set() and (self.num_updates is not None and self.applied >= self.num_updates):
                 with self._lock:
                     self.rejected += 1
                     self.late += 1
@@ -408,7 +415,7 @@ class ParameterStore:
             with self._lock:
                 if not finite:
                     self.rejected += 1
-                    self.done[worker] += 1
+                    self.positions[worker] += 1
                     message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
                     if self.on_nonfinite == "stop":
                         self.error = BadPush(message + "; stopping (on_nonfinite='stop')")
@@ -417,7 +424,7 @@ class ParameterStore:
                     continue
                 self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
                 self.applied += 1
-                self.done[worker] += 1
+                self.positions[worker] += 1
                 staleness = int(jax.device_get(staleness))
                 self.staleness_counts[staleness] += 1
                 record = {
@@ -432,7 +439,7 @@ class ParameterStore:
                     self._trace_file.flush()
                 # Host copies: the next exchange updates the state's buffers in place (donation).
                 result = (*_host_copy((self._state.params, self._state.model_state)), self.applied)
-                if self.max_updates is not None and self.applied >= self.max_updates:
+                if self.num_updates is not None and self.applied >= self.num_updates:
                     self._closed.set()
                 due = self.checkpoint_path is not None and self.checkpoint_every is not None
                 if due and self.applied % self.checkpoint_every == 0:

@@ -57,6 +57,8 @@ __all__ = [
     "report",
     "run",
     "save",
+    "schedule",
+    "time_to_target",
 ]
 
 STUDY_RULES = ("dc_asgd", "staleness_aware", "delay_adaptive")
@@ -317,7 +319,15 @@ def load(name_or_path: str) -> Study:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _schedule(s: Settings, num_updates: int) -> optax.Schedule:
+def schedule(s: Settings, num_updates: int) -> optax.Schedule:
+    """The learning rate of a run of ``num_updates`` updates: constant, or DC-ASGD's steps (``"step"``).
+
+    Example:
+      >>> from asgd_jax import studies
+      >>> lr = studies.schedule(studies.Settings(learning_rate=0.5), 160)
+      >>> [round(float(lr(t)), 4) for t in (79, 80, 120)]
+      [0.5, 0.05, 0.005]
+    """
     if s.schedule == "constant":
         return optax.constant_schedule(s.learning_rate)
     # DC-ASGD divides by 10 at epochs 80 and 120 of 160: at 50% and 75% of the updates.
@@ -327,7 +337,7 @@ def _schedule(s: Settings, num_updates: int) -> optax.Schedule:
 
 def _rule_fn(rule: str, arm: Arm, s: Settings, num_updates: int, num_workers: int):
     """``hparams -> rule`` for an arm: its variants' numbers (lambda, the adaptive flag) are traced."""
-    lr = _schedule(s, num_updates) if arm.server_lr is None else arm.server_lr
+    lr = schedule(s, num_updates) if arm.server_lr is None else arm.server_lr
     if rule == "staleness_aware":
         return lambda h: rules.get(rule, lr, momentum=s.momentum)
     if rule == "delay_adaptive":
@@ -337,7 +347,15 @@ def _rule_fn(rule: str, arm: Arm, s: Settings, num_updates: int, num_workers: in
     )
 
 
-def _time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> float:
+def time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> float:
+    """The time of the first update whose smoothed training error is at or below ``target`` (NaN if none is).
+
+    Example:
+      >>> import numpy as np
+      >>> from asgd_jax import studies
+      >>> studies.time_to_target(np.arange(4.0), np.array([0.9, 0.6, 0.4, 0.3]), 0.5)
+      2.0
+    """
     hit = np.flatnonzero(smoothed <= target)
     return float(times[hit[0]]) if hit.size else math.nan
 
@@ -464,7 +482,7 @@ def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list
                 "seed": int(seeds[r]),
                 "test_error": float(mx["eval_error"][r, -1]),
                 "train_error": float(smoothed[r, -1]),
-                "time_to_target": _time_to_target(mx["time"][r], smoothed[r], s.target_error),
+                "time_to_target": time_to_target(mx["time"][r], smoothed[r], s.target_error),
                 "virtual_time": float(mx["time"][r, -1]),
                 "mean_staleness": float(mx["staleness"][r].mean()),
                 "max_staleness": int(mx["staleness"][r].max()),

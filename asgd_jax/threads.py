@@ -77,7 +77,7 @@ class _Session:
             params,
             self.M,
             model_state=model_state,
-            max_updates=config.num_updates,
+            num_updates=config.num_updates,
             out_dir=config.out,
             on_nonfinite=config.on_nonfinite,
             checkpoint_dir=config.out,
@@ -94,7 +94,7 @@ class _Session:
             staleness_counts=self.store.staleness_counts,
         )
         # Data positions: every push the store applied or rejected used up n_sync of that worker's minibatches.
-        done = self.store.done if ex.mode == "async" else np.full(self.M, self.store.done[0])
+        done = self.store.positions if ex.mode == "async" else np.full(self.M, self.store.positions[0])
         self.loaders = [
             ShardLoader(
                 data,

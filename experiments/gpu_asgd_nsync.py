@@ -29,11 +29,19 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     for start in ("cold", "warm"):
         for m in clients:
             for n_sync in n_syncs:
-                out.append(Arm(
-                    {"clients": m, "n_sync": n_sync, "start": start}, workers=m, n_sync=n_sync, push="delta",
-                    server_lr=1.0, warm=start == "warm", worker_kwargs={"comm_time": COMM_TIME},
-                    variants=(Variant("A-SGD"),), series=f"{start}, n_sync={n_sync}",
-                ))  # fmt: skip
+                out.append(
+                    Arm(
+                        {"clients": m, "n_sync": n_sync, "start": start},
+                        workers=m,
+                        n_sync=n_sync,
+                        push="delta",
+                        server_lr=1.0,
+                        warm=start == "warm",
+                        worker_kwargs={"comm_time": COMM_TIME},
+                        variants=(Variant("A-SGD"),),
+                        series=f"{start}, n_sync={n_sync}",
+                    )
+                )
     return out
 
 

@@ -23,12 +23,20 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     out = []
     for cluster, kwargs in CLUSTERS.items():
         c = {"cluster": cluster}
-        out.append(Arm(c, workers=M, worker_kwargs=kwargs,
-                       variants=(Variant("ASGD"), Variant("DC-ASGD-a", lam=2.0, adaptive=True))))  # fmt: skip
-        out.append(Arm(c, workers=M, worker_kwargs=kwargs,
-                       variants=(Variant("staleness-aware", rule="staleness_aware"),)))  # fmt: skip
-        out.append(Arm(c, workers=M, worker_kwargs=kwargs,
-                       variants=(Variant("delay-adaptive", rule="delay_adaptive"),)))  # fmt: skip
+        out.append(
+            Arm(
+                c,
+                workers=M,
+                worker_kwargs=kwargs,
+                variants=(Variant("ASGD"), Variant("DC-ASGD-a", lam=2.0, adaptive=True)),
+            )
+        )
+        out.append(
+            Arm(c, workers=M, worker_kwargs=kwargs, variants=(Variant("staleness-aware", rule="staleness_aware"),))
+        )
+        out.append(
+            Arm(c, workers=M, worker_kwargs=kwargs, variants=(Variant("delay-adaptive", rule="delay_adaptive"),))
+        )
         out.append(Arm(c, workers=M, worker_kwargs=kwargs, mode="sync", variants=(Variant("SSGD"),)))
     return out
 

@@ -20,14 +20,30 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     out = []
     for n_sync in (1, 4):
         for m in clients:
-            out.append(Arm({"clients": m, "n_sync": n_sync}, workers=m, n_sync=n_sync, push="delta", server_lr=1.0,
-                           worker_kwargs={"comm_time": COMM_TIME}, variants=(Variant("ASGD"),),
-                           series=f"ASGD, n_sync={n_sync}"))  # fmt: skip
+            out.append(
+                Arm(
+                    {"clients": m, "n_sync": n_sync},
+                    workers=m,
+                    n_sync=n_sync,
+                    push="delta",
+                    server_lr=1.0,
+                    worker_kwargs={"comm_time": COMM_TIME},
+                    variants=(Variant("ASGD"),),
+                    series=f"ASGD, n_sync={n_sync}",
+                )
+            )
     for m in clients[1:]:
         for mode in ("async", "sync"):
-            out.append(Arm({"clients": m}, workers=m, mode=mode, worker_kwargs={"comm_time": COMM_TIME, **STRAGGLERS},
-                           variants=(Variant("SSGD" if mode == "sync" else "ASGD"),),
-                           series="{label}, stragglers"))  # fmt: skip
+            out.append(
+                Arm(
+                    {"clients": m},
+                    workers=m,
+                    mode=mode,
+                    worker_kwargs={"comm_time": COMM_TIME, **STRAGGLERS},
+                    variants=(Variant("SSGD" if mode == "sync" else "ASGD"),),
+                    series="{label}, stragglers",
+                )
+            )
     return out
 
 

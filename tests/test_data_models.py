@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import asgd_jax
 
@@ -35,7 +36,8 @@ def test_digits_split_is_fixed_and_disjoint():
     flat_train = {row.tobytes() for row in np.round(ds.x_train.reshape(len(ds.x_train), -1), 4)}
     flat_test = {row.tobytes() for row in np.round(ds.x_test.reshape(len(ds.x_test), -1), 4)}
     assert len(flat_train & flat_test) <= 2  # the raw digits hold a few exact duplicates, nothing more
-    again = asgd_jax.data._digits.__wrapped__(0)
+    asgd_jax.data.clear_cache()
+    again = asgd_jax.data.load("digits")
     np.testing.assert_array_equal(again.x_train, ds.x_train)
     other = asgd_jax.data.load("digits", seed=1)
     assert not np.array_equal(other.y_train, ds.y_train)
@@ -44,7 +46,8 @@ def test_digits_split_is_fixed_and_disjoint():
 def test_mnist1d_leaves_numpy_global_state_alone():
     np.random.seed(123)  # noqa: NPY002
     before = np.random.get_state()[1].copy()  # noqa: NPY002
-    asgd_jax.data._mnist1d.__wrapped__(0)
+    asgd_jax.data.clear_cache()
+    asgd_jax.data.load("mnist1d")
     np.testing.assert_array_equal(np.random.get_state()[1], before)  # noqa: NPY002
 
 
@@ -131,3 +134,88 @@ def test_mlp_trained_with_asgd_on_digits_beats_90_percent():
     (params, _), _ = jax.lax.scan(step, (params, rule.init(params)), jnp.arange(300))
     metrics = asgd_jax.classification_eval(model, ds.test)(params, state)
     assert float(metrics["error"]) < 0.10, metrics
+
+
+class _NnxNet(nnx.Module):
+    """An NNX network with BatchNorm (model state) and dropout (model randomness)."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(64, 64, rngs=rngs)
+        self.norm = nnx.BatchNorm(64, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.out = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        return self.out(self.drop(jax.nn.relu(self.norm(self.hidden(x)))))
+
+
+def test_an_nnx_model_trains_in_the_simulator_and_its_trainer_run_replays(tmp_path):
+    from asgd_jax.trainer import TrainConfig, train
+
+    ds = asgd_jax.data.load("digits")
+    model = asgd_jax.models.from_nnx(_NnxNet, input_shape=ds.input_shape, num_classes=ds.num_classes)
+    params, state = model.init(jax.random.key(0))
+    loss, evaluate = asgd_jax.classification_loss(model), asgd_jax.classification_eval(model, ds.test)
+    rule = asgd_jax.rules.get("dc_asgd_a", 0.1)
+    sim = asgd_jax.simulate(
+        loss,
+        rule,
+        params,
+        ds.train,
+        model_state=state,
+        delays=asgd_jax.delays.Workers(4),
+        batch_size=16,
+        num_updates=300,
+        eval_fn=evaluate,
+        eval_every=300,
+        progress=False,
+    )
+    assert sim.metrics["eval_error"][-1] < 0.2  # it learns
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), sim.model_state, state))
+    assert max(moved) > 0  # BatchNorm's statistics are the model state the server keeps
+    # The trainer with the same NNX model: dropout is keyed like the simulator's, so the trace replays.
+    config = TrainConfig(workers=2, num_updates=20, batch_size=16, seed=4, out=str(tmp_path), progress=False)
+    run = train(loss, rule, params, ds.train, config, model_state=state, devices=jax.devices()[:2])
+    replay = asgd_jax.simulate(
+        loss,
+        rule,
+        params,
+        ds.train,
+        model_state=state,
+        delays=asgd_jax.delays.Trace.load(run.trace_path, num=2),
+        batch_size=16,
+        num_updates=20,
+        key=jax.random.key(4),
+        progress=False,
+    )
+    for a, b in zip(jax.tree.leaves(replay.params), jax.tree.leaves(run.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_loss_form_is_declared_and_a_mismatch_is_reported_before_compiling():
+    x = np.ones((32, 3), np.float32)
+    data = {"x": x, "y": np.ones(32, np.float32)}
+    plain = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+    sim = lambda loss, **kw: asgd_jax.simulate(
+        loss,
+        asgd_jax.asgd(0.1),
+        jnp.zeros(3),
+        data,
+        batch_size=4,
+        num_updates=3,
+        progress=False,
+        delays=asgd_jax.delays.Workers(2),
+        **kw,
+    )
+    with pytest.raises(ValueError, match=r"declared form loss_fn\(params, batch\) -> \(loss, aux\)"):
+        sim(plain, has_aux=True)  # says it returns aux; returns a scalar
+    with pytest.raises(ValueError, match=r"has_model_state=True .* model_state was not given"):
+        sim(asgd_jax.Loss(lambda w, ms, b, k: (plain(w, b), ms), has_model_state=True))
+    # A model state that is itself a pair is not mistaken for (state, aux): the form is declared, not guessed.
+    pair_state = (jnp.zeros(()), jnp.ones(()))
+    counted = asgd_jax.Loss(lambda w, ms, b, k: (plain(w, b), (ms[0] + 1.0, ms[1])), has_model_state=True)
+    result = sim(counted, model_state=pair_state)
+    assert float(result.model_state[0]) >= 1.0 and float(result.model_state[1]) == 1.0  # counted, kept
+    with_aux = asgd_jax.Loss(lambda w, b: (plain(w, b), {"half": 0.5 * plain(w, b)}), has_aux=True)
+    assert "half" in sim(with_aux).metrics

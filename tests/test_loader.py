@@ -43,9 +43,16 @@ def test_matches_the_simulators_minibatch_order():
         return jnp.sum(w * batch["x"])
 
     result = asgd_jax.simulate(
-        loss, asgd_jax.asgd(1.0), jnp.zeros(()), {"x": x}, delays=asgd_jax.delays.Trace([1, 0, 1, 1, 0], num=2),
-        batch_size=5, num_updates=5, key=key, progress=False,
-    )  # fmt: skip
+        loss,
+        asgd_jax.asgd(1.0),
+        jnp.zeros(()),
+        {"x": x},
+        delays=asgd_jax.delays.Trace([1, 0, 1, 1, 0], num=2),
+        batch_size=5,
+        num_updates=5,
+        key=key,
+        progress=False,
+    )
     # With loss = sum(w * x) and lr 1, the final weight is minus the sum of every batch's x.
     with (
         ShardLoader(DATA, worker=0, num_workers=2, batch_size=5, key=key) as w0,

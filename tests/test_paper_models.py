@@ -79,10 +79,18 @@ def test_resnet20_trains_through_the_simulator_and_evaluates_with_the_servers_st
         return {**evaluate(p, s), "stat": jax.tree.leaves(s["batch_stats"])[0].sum()}
 
     result = asgd_jax.simulate(
-        asgd_jax.classification_loss(model), asgd_jax.dc_asgd(0.05, 2.0, adaptive=True), params, {"x": x, "y": y},
-        delays=asgd_jax.delays.Workers(2), batch_size=8, num_updates=24, model_state=state, eval_fn=eval_fn,
-        eval_every=12, progress=False,
-    )  # fmt: skip
+        asgd_jax.classification_loss(model),
+        asgd_jax.dc_asgd(0.05, 2.0, adaptive=True),
+        params,
+        {"x": x, "y": y},
+        delays=asgd_jax.delays.Workers(2),
+        batch_size=8,
+        num_updates=24,
+        model_state=state,
+        eval_fn=eval_fn,
+        eval_every=12,
+        progress=False,
+    )
     losses = result.metrics["loss"]
     assert losses[-6:].mean() < losses[:6].mean()
     # The evaluation saw the server's latest BatchNorm statistics.

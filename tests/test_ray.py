@@ -10,10 +10,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import lsq_problem
 import numpy as np
 import pytest
-from lsq_problem import DATA, W0, lsq_loss
+from helpers import problems as lsq_problem
+from helpers.problems import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax.trainer import TrainConfig, train
@@ -37,8 +37,17 @@ def local_ray():
 def replay(trace_path, steps, num=2):
     trace = asgd_jax.delays.Trace.load(trace_path, num=num)
     assert len(trace) == steps
-    return asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=trace, batch_size=4, num_updates=steps,
-                             key=jax.random.key(3), progress=False).params  # fmt: skip
+    return asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=trace,
+        batch_size=4,
+        num_updates=steps,
+        key=jax.random.key(3),
+        progress=False,
+    ).params
 
 
 def _train_in_thread(**kwargs):
@@ -115,8 +124,17 @@ def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
     assert [e["update"] for e in result.evals] == [10, 20, 30, 40]
     trace = asgd_jax.delays.Trace.load(result.trace_path, num=2)
     for e in result.evals:
-        w = asgd_jax.simulate(lsq_loss, rule(), jnp.asarray(W0), DATA, delays=trace, batch_size=4,
-                              num_updates=e["update"], key=jax.random.key(3), progress=False).params  # fmt: skip
+        w = asgd_jax.simulate(
+            lsq_loss,
+            rule(),
+            jnp.asarray(W0),
+            DATA,
+            delays=trace,
+            batch_size=4,
+            num_updates=e["update"],
+            key=jax.random.key(3),
+            progress=False,
+        ).params
         np.testing.assert_allclose(e["loss"], lsq_loss(w, DATA), rtol=1e-4)
     # metrics.jsonl as the threaded backend writes it: every applied push in exactly one histogram, a final record.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -276,8 +294,24 @@ def test_without_ray_the_backend_fails_at_once_with_the_install_command(monkeypa
 def test_cli_train_on_ray(local_ray, tmp_path, capsys):
     from asgd_jax.cli import main
 
-    argv = ["train", "--backend", "ray", "--dataset", "digits", "--model", "mlp", "--workers", "2", "--steps", "20",
-            "--batch-size", "8", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "train",
+        "--backend",
+        "ray",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--workers",
+        "2",
+        "--steps",
+        "20",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     assert "applied 20" in capsys.readouterr().out
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 20

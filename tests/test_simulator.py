@@ -6,43 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import ReferenceServer, lsq_grad
+from helpers.problems import DIM, B, N, lsq_loss, simulate_lsq
+from helpers.problems import NOISY as DATA
+from helpers.problems import W1 as W0
+from helpers.reference import ReferenceServer, lsq_grad
 
 import asgd_jax
 from asgd_jax import delays
 from asgd_jax.simulator import shard_indices
-
-N, DIM, B = 96, 4, 8
-
-
-def _problem(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(N, DIM)).astype(np.float32)
-    y = (x @ rng.normal(size=DIM) + 0.1 * rng.normal(size=N)).astype(np.float32)
-    return {"x": x, "y": y}
-
-
-DATA = _problem()
-W0 = np.random.default_rng(1).normal(size=DIM).astype(np.float32)
-
-
-def lsq_loss(w, batch):
-    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-
-
-def _sim(rule, delay_model, num_updates=40, key=0, **kwargs):
-    kwargs.setdefault("progress", False)
-    return asgd_jax.simulate(
-        lsq_loss,
-        rule,
-        jnp.asarray(W0),
-        DATA,
-        delays=delay_model,
-        batch_size=kwargs.pop("batch_size", B),
-        num_updates=num_updates,
-        key=jax.random.key(key),
-        **kwargs,
-    )
 
 
 class BatchOrder:
@@ -77,7 +48,7 @@ RULES = {
 def test_trace_matches_numpy_reference(rule_name):
     make_rule, ref_kwargs = RULES[rule_name]
     order = np.random.default_rng(2).integers(0, 3, size=60)
-    result = _sim(make_rule(), delays.Trace(order, num=3), num_updates=60)
+    result = simulate_lsq(make_rule(), delays.Trace(order, num=3), num_updates=60)
 
     ref = ReferenceServer(W0, 3, 0.05, **ref_kwargs)
     batches = BatchOrder(0, num_shards=3)
@@ -95,7 +66,7 @@ def test_trace_matches_numpy_reference(rule_name):
 def test_fixed_delay_matches_numpy_reference(rule_name, tau):
     make_rule, ref_kwargs = RULES[rule_name]
     num_updates = 50
-    result = _sim(make_rule(), delays.FixedDelay(tau), num_updates=num_updates)
+    result = simulate_lsq(make_rule(), delays.FixedDelay(tau), num_updates=num_updates)
 
     # Independent reference: gradient of update t at w_{max(0, t - tau)}; one data stream; per-"worker" state is the
     # round-robin slot (t - tau) mod (tau + 1), which is what MeanSquare-per-worker would see.
@@ -120,7 +91,7 @@ def test_fixed_delay_matches_numpy_reference(rule_name, tau):
 
 
 def test_one_worker_equals_sequential_sgd():
-    result = _sim(asgd_jax.asgd(0.05, momentum=0.5), delays.Workers(1), num_updates=30)
+    result = simulate_lsq(asgd_jax.asgd(0.05, momentum=0.5), delays.Workers(1), num_updates=30)
     rule = asgd_jax.asgd(0.05, momentum=0.5)
     w, state = jnp.asarray(W0), rule.init(jnp.asarray(W0))
     batches = BatchOrder(0, num_shards=1)
@@ -135,7 +106,9 @@ def test_one_worker_equals_sequential_sgd():
 
 def test_sync_mode_averages_the_workers_gradients_at_the_same_weights():
     m, lr = 3, 0.05
-    result = _sim(asgd_jax.dc_asgd(lr, 4.0), delays.Workers(m, compute_time="constant"), num_updates=12, mode="sync")
+    result = simulate_lsq(
+        asgd_jax.dc_asgd(lr, 4.0), delays.Workers(m, compute_time="constant"), num_updates=12, mode="sync"
+    )
     w = W0.astype(np.float64)
     batches = BatchOrder(0, num_shards=m)
     for _ in range(12):
@@ -156,7 +129,9 @@ def test_sync_mode_averages_the_workers_gradients_at_the_same_weights():
 def test_n_sync_push_modes(push):
     k, lr_local, lr_server, updates = 3, 0.05, 0.5, 6
     rule = asgd_jax.asgd(lr_server)
-    result = _sim(rule, delays.Workers(1), num_updates=updates, n_sync=k, push=push, local_learning_rate=lr_local)
+    result = simulate_lsq(
+        rule, delays.Workers(1), num_updates=updates, n_sync=k, push=push, local_learning_rate=lr_local
+    )
     w = W0.astype(np.float64)
     batches = BatchOrder(0, num_shards=1)
     for _ in range(updates):
@@ -174,8 +149,10 @@ def test_n_sync_push_modes(push):
 
 def test_delta_push_with_unit_server_lr_is_local_sgd():
     # M = 1, push the delta, server lr 1: exactly n_sync * U steps of plain SGD at the local learning rate.
-    a = _sim(asgd_jax.asgd(1.0), delays.Workers(1), num_updates=5, n_sync=4, push="delta", local_learning_rate=0.05)
-    b = _sim(asgd_jax.asgd(0.05), delays.Workers(1), num_updates=20)
+    a = simulate_lsq(
+        asgd_jax.asgd(1.0), delays.Workers(1), num_updates=5, n_sync=4, push="delta", local_learning_rate=0.05
+    )
+    b = simulate_lsq(asgd_jax.asgd(0.05), delays.Workers(1), num_updates=20)
     np.testing.assert_allclose(a.params, b.params, rtol=1e-5, atol=1e-6)
 
 
@@ -186,9 +163,9 @@ def test_delta_push_with_unit_server_lr_is_local_sgd():
 
 def test_same_key_gives_identical_bits_and_other_keys_differ():
     rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
-    a = _sim(rule, delays.Workers(4), num_updates=60, key=3)
-    b = _sim(rule, delays.Workers(4), num_updates=60, key=3)
-    c = _sim(rule, delays.Workers(4), num_updates=60, key=4)
+    a = simulate_lsq(rule, delays.Workers(4), num_updates=60, key=3)
+    b = simulate_lsq(rule, delays.Workers(4), num_updates=60, key=3)
+    c = simulate_lsq(rule, delays.Workers(4), num_updates=60, key=4)
     np.testing.assert_array_equal(a.params, b.params)
     for name in a.metrics:
         np.testing.assert_array_equal(a.metrics[name], b.metrics[name])
@@ -199,12 +176,20 @@ def test_sweep_equals_separate_runs():
     keys, hp = asgd_jax.grid(seeds=[0, 1], lam=[0.0, 2.0])
     rule_fn = lambda h: asgd_jax.dc_asgd(0.05, h["lam"], adaptive=True)
     swept = asgd_jax.sweep(
-        lsq_loss, rule_fn, jnp.asarray(W0), DATA, keys=keys, hparams=hp, delays=delays.Workers(4), batch_size=B,
-        num_updates=50, progress=False,
-    )  # fmt: skip
+        lsq_loss,
+        rule_fn,
+        jnp.asarray(W0),
+        DATA,
+        keys=keys,
+        hparams=hp,
+        delays=delays.Workers(4),
+        batch_size=B,
+        num_updates=50,
+        progress=False,
+    )
     assert swept.params.shape == (4, DIM)
     for r, (seed, lam) in enumerate([(0, 0.0), (0, 2.0), (1, 0.0), (1, 2.0)]):
-        alone = _sim(asgd_jax.dc_asgd(0.05, lam, adaptive=True), delays.Workers(4), num_updates=50, key=seed)
+        alone = simulate_lsq(asgd_jax.dc_asgd(0.05, lam, adaptive=True), delays.Workers(4), num_updates=50, key=seed)
         np.testing.assert_allclose(swept.params[r], alone.params, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(swept.metrics["worker"][r], alone.metrics["worker"])
         np.testing.assert_array_equal(swept.metrics["staleness"][r], alone.metrics["staleness"])
@@ -214,12 +199,20 @@ def test_sweep_over_delay_parameters_equals_separate_runs():
     keys, hp = asgd_jax.grid(seeds=[0], p=[0.0, 0.5], mean=[1.0, 3.0])
     make = lambda p, mean: delays.Workers(3, straggler_prob=p, mean_compute_time=mean, straggler_slowdown=5.0)
     swept = asgd_jax.sweep(
-        lsq_loss, lambda h: asgd_jax.asgd(0.05), jnp.asarray(W0), DATA, keys=keys, hparams=hp, batch_size=B,
-        delays=lambda h: make(h["p"], h["mean"]), num_updates=40, progress=False,
-    )  # fmt: skip
+        lsq_loss,
+        lambda h: asgd_jax.asgd(0.05),
+        jnp.asarray(W0),
+        DATA,
+        keys=keys,
+        hparams=hp,
+        batch_size=B,
+        delays=lambda h: make(h["p"], h["mean"]),
+        num_updates=40,
+        progress=False,
+    )
     for r in range(4):
         p, mean = float(hp["p"][r]), float(hp["mean"][r])
-        alone = _sim(asgd_jax.asgd(0.05), make(p, mean), num_updates=40)
+        alone = simulate_lsq(asgd_jax.asgd(0.05), make(p, mean), num_updates=40)
         np.testing.assert_array_equal(swept.metrics["worker"][r], alone.metrics["worker"])
         np.testing.assert_allclose(swept.metrics["time"][r], alone.metrics["time"], rtol=1e-6)
         np.testing.assert_allclose(swept.params[r], alone.params, rtol=1e-5, atol=1e-6)
@@ -231,15 +224,15 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
     rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, momentum=0.5)
     eval_fn = lambda w, _: {"loss": lsq_loss(w, DATA)}
     common = dict(num_updates=60, eval_fn=eval_fn, eval_every=10)
-    full = _sim(rule, delays.Workers(4), **common)
+    full = simulate_lsq(rule, delays.Workers(4), **common)
 
     def crash(done, state):
         if done == 30:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _sim(rule, delays.Workers(4), checkpoint_dir=tmp_path, callback=crash, **common)
-    resumed = _sim(rule, delays.Workers(4), checkpoint_dir=tmp_path, **common)
+        simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, callback=crash, **common)
+    resumed = simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, **common)
     np.testing.assert_array_equal(resumed.params, full.params)
     assert set(resumed.metrics) == set(full.metrics)
     for name in full.metrics:
@@ -247,12 +240,12 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(full.metrics["eval_update"], [0, 10, 20, 30, 40, 50, 60])
 
     with pytest.raises(ValueError, match="key"):  # a checkpoint of another run is refused, not silently mixed in
-        _sim(rule, delays.Workers(4), checkpoint_dir=tmp_path, key=9, **common)
+        simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, key=9, **common)
 
 
 def test_evaluation_runs_at_start_and_every_interval():
     eval_fn = lambda w, _: {"loss": lsq_loss(w, DATA)}
-    result = _sim(asgd_jax.asgd(0.05), delays.Workers(2), num_updates=25, eval_fn=eval_fn, eval_every=10)
+    result = simulate_lsq(asgd_jax.asgd(0.05), delays.Workers(2), num_updates=25, eval_fn=eval_fn, eval_every=10)
     np.testing.assert_array_equal(result.metrics["eval_update"], [0, 10, 20, 25])
     np.testing.assert_allclose(result.metrics["eval_loss"][0], lsq_loss(jnp.asarray(W0), DATA), rtol=1e-6)
     np.testing.assert_allclose(result.metrics["eval_loss"][-1], lsq_loss(result.params, DATA), rtol=1e-6)
@@ -264,56 +257,21 @@ def test_evaluation_runs_at_start_and_every_interval():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m", [2, 5])
-def test_equal_constant_workers_are_round_robin_with_staleness_m_minus_1(m):
-    result = _sim(asgd_jax.asgd(0.01), delays.Workers(m, compute_time="constant"), num_updates=30)
-    np.testing.assert_array_equal(result.metrics["worker"], np.arange(30) % m)
-    np.testing.assert_array_equal(result.metrics["staleness"][:m], np.arange(m))
-    np.testing.assert_array_equal(result.metrics["staleness"][m:], m - 1)
-
-
-def test_exponential_workers_have_mean_staleness_m_minus_1():
-    result = _sim(asgd_jax.asgd(0.001), delays.Workers(8), num_updates=4000, batch_size=4)
-    tau = result.metrics["staleness"][200:]
-    assert abs(tau.mean() - 7.0) < 0.35
-    assert tau.max() > 16  # exponential times give a long tail
-    assert np.all(np.diff(result.metrics["time"]) >= 0)
-
-
-def test_random_delay_is_uniform():
-    result = _sim(asgd_jax.asgd(0.001), delays.RandomDelay(4), num_updates=3000, batch_size=4)
-    tau = result.metrics["staleness"][4:]
-    counts = np.bincount(tau, minlength=5)
-    assert len(counts) == 5 and np.all(np.abs(counts / len(tau) - 0.2) < 0.03)
-
-
-def test_stragglers_and_speeds_shift_the_pushes():
-    fast_slow = delays.Workers(2, compute_time="constant", speeds=jnp.array([3.0, 1.0]))
-    result = _sim(asgd_jax.asgd(0.01), fast_slow, num_updates=40)
-    assert abs(np.mean(result.metrics["worker"] == 0) - 0.75) < 0.05
-    straggly = delays.Workers(4, compute_time="constant", straggler_prob=0.3, straggler_slowdown=10.0)
-    result = _sim(asgd_jax.asgd(0.01), straggly, num_updates=400, batch_size=4)
-    assert result.metrics["staleness"].max() > 10
-    assert result.metrics["time"][-1] > 400 / 4 * 1.5  # slowed down overall
-
-
-def test_data_shards_are_disjoint_cover_the_epoch_and_reshuffle():
-    a = np.asarray(shard_indices(jax.random.key(0), 0, N, 8))
-    b = np.asarray(shard_indices(jax.random.key(0), 1, N, 8))
-    assert a.shape == (8, N // 8)
-    assert sorted(a.ravel().tolist()) == list(range(N))
-    assert not np.array_equal(a, b) and sorted(b.ravel().tolist()) == list(range(N))
-    np.testing.assert_array_equal(a, shard_indices(jax.random.key(0), 0, N, 8))
-
-
 def test_model_state_workers_use_their_pulled_state_and_server_keeps_the_latest():
     def counting_loss(w, state, batch, key):
         return lsq_loss(w, batch), {"count": state["count"] + 1}
 
     result = asgd_jax.simulate(
-        counting_loss, asgd_jax.asgd(0.01), jnp.asarray(W0), DATA, delays=delays.Workers(2, compute_time="constant"),
-        batch_size=B, num_updates=7, model_state={"count": jnp.int32(0)}, progress=False,
-    )  # fmt: skip
+        counting_loss,
+        asgd_jax.asgd(0.01),
+        jnp.asarray(W0),
+        DATA,
+        delays=delays.Workers(2, compute_time="constant"),
+        batch_size=B,
+        num_updates=7,
+        model_state={"count": jnp.int32(0)},
+        progress=False,
+    )
     # Round robin: the worker pushing update t pulled after update t - 2, so it pushes floor(t / 2) + 1.
     assert int(result.model_state["count"]) == 6 // 2 + 1
 
@@ -335,31 +293,18 @@ def test_model_state_workers_use_their_pulled_state_and_server_keeps_the_latest(
         (lambda: delays.Trace([0, 3], num=2), "contains 3"),
         (lambda: delays.Trace([0, -1]), "-1"),
         (lambda: delays.Trace([]), "worker_ids"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(20), batch_size=8), "batch_size=8"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), n_sync=0), "n_sync=0"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), mode="semi"), "mode='semi'"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), push="weights"), "push='weights'"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.FixedDelay(2), mode="sync"), "sync"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), n_sync=2), "local_learning_rate"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Trace([0, 1]), num_updates=5), "num_updates=5"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), num_updates=0), "num_updates=0"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), batch_size=0), "batch_size=0"),
-        (lambda: _sim(asgd_jax.asgd(0.1), delays.Workers(2), eval_every=5), "eval_fn"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(20), batch_size=8), "batch_size=8"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), n_sync=0), "n_sync=0"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), mode="semi"), "mode='semi'"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), push="weights"), "push='weights'"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.FixedDelay(2), mode="sync"), "sync"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), n_sync=2), "local_learning_rate"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Trace([0, 1]), num_updates=5), "num_updates=5"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), num_updates=0), "num_updates=0"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), batch_size=0), "batch_size=0"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), eval_every=5), "eval_fn"),
     ],
 )
 def test_bad_input_raises_value_error_naming_it(make, match):
     with pytest.raises(ValueError, match=match):
         make()
-
-
-def test_trace_loads_a_trainer_jsonl(tmp_path):
-    path = tmp_path / "trace.jsonl"
-    path.write_text(
-        '{"worker": 1, "pulled_version": 0, "applied_version": 1, "time": 0.5}\n{"worker": 0, "time": 0.7}\n'
-    )
-    trace = delays.Trace.load(path)
-    assert trace.num == 2 and trace.worker_ids.tolist() == [1, 0]
-    np.testing.assert_allclose(trace.times, [0.5, 0.7])
-    (tmp_path / "bad.jsonl").write_text('{"pushes": 1}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
-        delays.Trace.load(tmp_path / "bad.jsonl")

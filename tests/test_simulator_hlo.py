@@ -9,14 +9,12 @@ in-place update overwrites it).
 
 from __future__ import annotations
 
-import collections
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.hlo import inventory as _inventory
 
 import asgd_jax
 from asgd_jax import delays
@@ -44,53 +42,6 @@ LOSS, PARAMS, DATA = _workload()
 LEAVES = [tuple(p.shape) for p in PARAMS]
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    out, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
-        if head:
-            name = head.group(1)
-            out[name] = []
-        elif name is not None and line.startswith("  "):
-            out[name].append(line)
-    return out
-
-
-def inventory(hlo: str, num_slots: int) -> collections.Counter:
-    """Counts the parameter-sized and stack-sized instructions of a compiled program by what they do."""
-    comps = _computations(hlo)
-    bodies = {m for lines in comps.values() for line in lines for m in re.findall(r"body=%([\w.\-]+)", line)}
-
-    def root_op(name: str) -> str:
-        ops = [re.search(r"= \S+ ([\w-]+)\(", line) for line in comps.get(name, []) if "ROOT" in line]
-        op = ops[0].group(1) if ops and ops[0] else "?"
-        if op == "bitcast":  # look through a bitcast at what produced it
-            line = next(x for x in comps[name] if "ROOT" in x)
-            src = re.search(r"bitcast\(%([\w.\-]+)\)", line).group(1)
-            op = next((re.search(r"= \S+ ([\w-]+)\(", x).group(1) for x in comps[name] if f"%{src} =" in x), op)
-        return op
-
-    counts: collections.Counter = collections.Counter()
-    for name, lines in comps.items():
-        if name not in bodies:  # what runs once per update (or per local step), not once per chunk
-            continue
-        for line in lines:
-            m = re.match(r"\s*(?:ROOT )?%\S+ = f32\[([\d,]*)\]\S* ([\w-]+)\(", line)
-            if not m:
-                continue
-            shape = tuple(int(d) for d in m.group(1).split(",") if d)
-            op = m.group(2)
-            if op in ("get-tuple-element", "parameter", "bitcast", "tuple"):  # names for buffers, no work
-                continue
-            if op == "fusion":
-                op = root_op(re.search(r"calls=%([\w.\-]+)", line).group(1))
-            if any(shape == (num_slots, *leaf) for leaf in LEAVES) and num_slots > 1:
-                counts[f"stack {op}"] += 1
-            elif any(shape in (leaf, (1, *leaf)) for leaf in LEAVES):
-                counts[f"param {op}"] += 1
-    return counts
-
-
 def _floor_copies() -> int:
     opt = optax.sgd(0.01)
 
@@ -106,7 +57,7 @@ def _floor_copies() -> int:
 
     carry = (PARAMS, opt.init(PARAMS))
     hlo = jax.jit(chunk, donate_argnums=0).lower(carry, jax.random.split(jax.random.key(0), 10)).compile().as_text()
-    return inventory(hlo, 1)["param copy"]
+    return _inventory(hlo, 1, LEAVES)["param copy"]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +87,7 @@ CASES = {
 def test_an_update_reads_the_pushing_workers_snapshot_once_and_writes_one_backup_in_place(case, floor_copies):
     model, rule, kwargs = CASES[case]
     lowered = asgd_jax.simulator.lower(LOSS, rule, PARAMS, DATA, delays=model, batch_size=BATCH, length=10, **kwargs)
-    counts = inventory(lowered.compile().as_text(), model.num_slots)
+    counts = _inventory(lowered.compile().as_text(), model.num_slots, LEAVES)
     n = len(LEAVES)
     per_worker = 2 if "per worker" in case else 1  # DC-ASGD-a's per-worker MeanSquare is a stack of its own
     # The snapshot the gradient is computed at: XLA:CPU materialises a dynamic slice that feeds a dot, once per leaf
@@ -157,7 +108,7 @@ def test_a_single_slot_costs_what_sequential_sgd_costs(model, floor_copies):
     lowered = asgd_jax.simulator.lower(
         LOSS, asgd_jax.asgd(0.01), PARAMS, DATA, delays=model, batch_size=BATCH, length=10
     )
-    counts = inventory(lowered.compile().as_text(), model.num_slots)
+    counts = _inventory(lowered.compile().as_text(), model.num_slots, LEAVES)
     assert counts["param dynamic-slice"] == 0, counts
     assert counts["param dynamic-update-slice"] == 0, counts
     assert counts["param copy"] <= floor_copies, counts

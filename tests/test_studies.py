@@ -17,8 +17,14 @@ TINY = studies.Settings(dataset="digits", seeds=(0, 1), epochs=1.0, evals=2, win
 
 def test_every_study_is_found_and_its_grids_are_the_papers():
     names = studies.available()
-    assert names == ["dcasgd_lambda_sweep", "dcasgd_table1", "gpu_asgd_nsync", "heterogeneous_workers",
-                     "speedup_model", "staleness_curve"]  # fmt: skip
+    assert names == [
+        "dcasgd_lambda_sweep",
+        "dcasgd_table1",
+        "gpu_asgd_nsync",
+        "heterogeneous_workers",
+        "speedup_model",
+        "staleness_curve",
+    ]
     full = {n: studies.load(n) for n in names}
     arms = {n: s.arms(s.full, False) for n, s in full.items()}
     gpu = {(a.coords["clients"], a.n_sync, a.coords["start"]) for a in arms["gpu_asgd_nsync"]}
@@ -27,9 +33,9 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
     (sweep_arm,) = arms["dcasgd_lambda_sweep"]  # one compiled program
     assert sorted(v.lam for v in sweep_arm.variants if v.adaptive) == [0.0, 0.5, 1.0, 2.0, 4.0]
     table1 = {(a.coords["M"], v.label, a.mode) for a in arms["dcasgd_table1"] for v in a.variants}
-    assert table1 == {(1, "SGD", "async")} | {(m, label, "async") for m in (4, 8)
-                                              for label in ("ASGD", "DC-ASGD-c", "DC-ASGD-a")} | {
-        (4, "SSGD", "sync"), (8, "SSGD", "sync")}  # fmt: skip
+    assert table1 == {(1, "SGD", "async")} | {
+        (m, label, "async") for m in (4, 8) for label in ("ASGD", "DC-ASGD-c", "DC-ASGD-a")
+    } | {(4, "SSGD", "sync"), (8, "SSGD", "sync")}
     assert {a.coords["M"] for a in arms["staleness_curve"] if a.tau is None} == {1, 2, 4, 8, 16, 32}
     assert full["dcasgd_table1"].full.model == "resnet20" and full["dcasgd_table1"].paper[8]["DC-ASGD-a"] == 8.57
     for name, study in full.items():  # every study documents its command and expectation
@@ -58,12 +64,18 @@ def test_a_seeded_study_gives_identical_numbers_twice_and_a_report(tmp_path):
 
 def test_warm_arms_start_from_the_warm_up_and_fixed_delay_arms_run():
     study = studies.Study(
-        name="t", title="t", reproduces="", quick=TINY, full=TINY, rows="M",
-        arms=lambda s, q: [studies.Arm({"M": 2, "start": "cold"}, workers=2, n_sync=2, push="delta", server_lr=1.0),
-                           studies.Arm({"M": 2, "start": "warm"}, workers=2, n_sync=2, push="delta", server_lr=1.0,
-                                       warm=True),
-                           studies.Arm({"M": 3, "tau": 2}, tau=2)],
-    )  # fmt: skip
+        name="t",
+        title="t",
+        reproduces="",
+        quick=TINY,
+        full=TINY,
+        rows="M",
+        arms=lambda s, q: [
+            studies.Arm({"M": 2, "start": "cold"}, workers=2, n_sync=2, push="delta", server_lr=1.0),
+            studies.Arm({"M": 2, "start": "warm"}, workers=2, n_sync=2, push="delta", server_lr=1.0, warm=True),
+            studies.Arm({"M": 3, "tau": 2}, tau=2),
+        ],
+    )
     result = studies.run(study, settings=TINY, progress=False)
     curves = {c["coords"].get("start", "tau"): c for c in result.curves.values()}
     assert curves["warm"]["epoch"][0] > TINY.warm_epochs > curves["cold"]["epoch"][0]
@@ -72,9 +84,18 @@ def test_warm_arms_start_from_the_warm_up_and_fixed_delay_arms_run():
 
 
 def test_tables_speedup_and_paper_columns():
-    study = studies.Study(name="s", title="s", reproduces="", quick=TINY, full=TINY, arms=lambda s, q: [],
-                          rows="clients", metric="speedup", baseline={"clients": 1},
-                          paper={8: {"paper": 3.2}})  # fmt: skip
+    study = studies.Study(
+        name="s",
+        title="s",
+        reproduces="",
+        quick=TINY,
+        full=TINY,
+        arms=lambda s, q: [],
+        rows="clients",
+        metric="speedup",
+        baseline={"clients": 1},
+        paper={8: {"paper": 3.2}},
+    )
     runs = [{"clients": 1, "label": "A", "time_to_target": t, "test_error": 0.1} for t in (9.0, 11.0)]
     runs += [{"clients": 8, "label": "A", "time_to_target": 4.0, "test_error": 0.1}]
     runs += [{"clients": 8, "label": "B", "time_to_target": math.nan, "test_error": 0.1}]  # never reached the target
@@ -82,7 +103,7 @@ def test_tables_speedup_and_paper_columns():
     assert "| 1 | 1.00x | — |" in table and "| 8 | 2.50x | — |" in table and "| 8 | 3.20 |" in table
     error = dataclasses.replace(study, metric="test_error")
     assert "| 1 | 10.00 ± 0.00 |" in studies.format_table(error, runs, 2)
-    np.testing.assert_equal(studies._time_to_target(np.arange(4.0), np.array([0.9, 0.6, 0.4, 0.3]), 0.5), 2.0)
+    np.testing.assert_equal(studies.time_to_target(np.arange(4.0), np.array([0.9, 0.6, 0.4, 0.3]), 0.5), 2.0)
 
 
 def test_cli_lists_studies_and_errors(tmp_path, capsys):

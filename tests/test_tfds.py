@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import jax
@@ -19,10 +20,10 @@ tfds = pytest.importorskip("tensorflow_datasets")
 def mocked(monkeypatch, no_network):
     """TFDS's mock data; it has no files on disk, so the prepared-files check is bypassed (tested separately)."""
     monkeypatch.setattr(data, "_require_prepared", lambda *args: None)
-    data._tfds_dataset.cache_clear()
+    data.clear_cache()
     with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
         yield
-    data._tfds_dataset.cache_clear()
+    data.clear_cache()
 
 
 @pytest.mark.parametrize(
@@ -52,14 +53,21 @@ def test_tfds_dataset_trains_through_the_simulator(mocked, tmp_path):
     model = asgd_jax.models.get("mlp", num_classes=ds.num_classes, input_shape=ds.input_shape, hidden=(16,))
     params, state = model.init(jax.random.key(0))
     result = asgd_jax.simulate(
-        asgd_jax.classification_loss(model), asgd_jax.asgd(0.1), params, ds.train, delays=asgd_jax.delays.Workers(2),
-        batch_size=4, num_updates=30, model_state=state, progress=False,
-    )  # fmt: skip
+        asgd_jax.classification_loss(model),
+        asgd_jax.asgd(0.1),
+        params,
+        ds.train,
+        delays=asgd_jax.delays.Workers(2),
+        batch_size=4,
+        num_updates=30,
+        model_state=state,
+        progress=False,
+    )
     assert result.metrics["loss"][-10:].mean() < result.metrics["loss"][:10].mean()
 
 
 def test_unprepared_dataset_fails_fast_offline_with_the_prepare_command(no_network, tmp_path):
-    data._tfds_dataset.cache_clear()
+    data.clear_cache()
     start = time.perf_counter()
     with pytest.raises(data.DatasetNotPrepared) as info:
         data.load("tfds:cifar10", data_dir=tmp_path)
@@ -78,7 +86,7 @@ def test_bad_tfds_names_raise(no_network, tmp_path):
 
 
 def test_cli_reports_an_unprepared_dataset(no_network, tmp_path, capsys):
-    data._tfds_dataset.cache_clear()
+    data.clear_cache()
     argv = ["ablate", "--dataset", "tfds:cifar10", "--data-dir", str(tmp_path), "--no-progress"]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -86,39 +94,46 @@ def test_cli_reports_an_unprepared_dataset(no_network, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_cifar10_resnet20_experiment_runs_end_to_end_on_mock_data(mocked, tmp_path):
+def test_the_dcasgd_full_form_runs_end_to_end_on_mock_data(mocked, tmp_path):
     import dataclasses
-    import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "cifar10_resnet20.py"
-    spec = importlib.util.spec_from_file_location("cifar10_resnet20", path)
-    experiment = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(experiment)
-    cfg = experiment.CONFIG
-    # The paper's setup, pinned (PAPERS.md section 1).
-    assert (cfg.dataset, cfg.model, cfg.workers, cfg.epochs, cfg.batch_size) == ("tfds:cifar10", "resnet20", (1, 4, 8),
-                                                                                 160.0, 128)  # fmt: skip
-    assert (cfg.learning_rate, cfg.lam_c, cfg.lam_a, cfg.mean_square_decay, cfg.momentum) == (
-        0.5,
-        0.04,
-        2.0,
-        0.95,
-        None,
+    from asgd_jax import studies
+
+    study = studies.load("dcasgd_table1")
+    s = study.full
+    # The paper's setup, pinned (DC-ASGD, Zheng et al. 2017: CIFAR-10, ResNet-20, 160 epochs, batch 128, lr 0.5
+    # divided by 10 at epochs 80 and 120, lambda 0.04 / 2, m 0.95, no momentum, M in {1, 4, 8}).
+    assert (s.dataset, s.model, s.workers, s.epochs, s.batch_size) == (
+        "tfds:cifar10",
+        "resnet20",
+        (1, 4, 8),
+        160.0,
+        128,
     )
-    assert ablation_schedule_boundaries(160) == (80, 120)
+    assert (s.learning_rate, s.lam_c, s.lam_a, s.mean_square_decay, s.momentum) == (0.5, 0.04, 2.0, 0.95, None)
+    assert schedule_boundaries(s, 160) == (80, 120)
     # A few updates end to end on mock CIFAR-10: one worker count, shrunk batch and budget.
-    small = dataclasses.replace(cfg, data_dir=str(tmp_path), workers=(2,), algorithms=("asgd", "dc_asgd_a"),
-                                seeds=(0,), epochs=2.0, batch_size=4, evals=2, window=2)  # fmt: skip
-    result = experiment.run(small, out=str(tmp_path / "out"), progress=False)
-    assert {r["algorithm"] for r in result.runs} == {"asgd", "dc_asgd_a"}
-    assert (tmp_path / "out" / "curves.png").exists()
+    small = dataclasses.replace(
+        s,
+        data_dir=str(tmp_path),
+        workers=(2,),
+        algorithms=("asgd", "dc_asgd_a"),
+        seeds=(0,),
+        epochs=2.0,
+        batch_size=4,
+        evals=2,
+        window=2,
+    )
+    result = studies.run(study, settings=small, progress=False)
+    assert {r["label"] for r in result.runs} == {"ASGD", "DC-ASGD-a"}
+    paths = studies.save(result, tmp_path / "out", plots=("panels",))
+    assert pathlib.Path(paths["plot"]).exists()
 
 
-def ablation_schedule_boundaries(num_updates):
-    """The learning-rate drops of the ablation's schedule, found by evaluating it."""
-    from asgd_jax.ablation import _schedule
+def schedule_boundaries(settings, num_updates):
+    """The learning-rate drops of a study's schedule, found by evaluating it."""
+    from asgd_jax import studies
 
-    schedule = _schedule(0.5, num_updates)
-    values = [float(schedule(t)) for t in range(num_updates + 1)]
+    lr = studies.schedule(settings, num_updates)
+    values = [float(lr(t)) for t in range(num_updates + 1)]
     return tuple(t for t in range(1, num_updates + 1) if values[t] < values[t - 1] * 0.5)

@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lsq_problem import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss
 
 import asgd_jax
-from asgd_jax.store import BadPush, ParameterStore, StoreClosed
 from asgd_jax.trainer import TrainConfig, train
 
 
@@ -89,64 +88,6 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     np.testing.assert_array_equal(replay.metrics["staleness"], [r["staleness"] for r in records])
     assert sum(result.staleness_counts.values()) == steps
     assert sum(w.pushes for w in result.workers) == result.pushes_sent
-
-
-def test_store_rejects_bad_pushes_and_keeps_the_model():
-    store = ParameterStore(asgd_jax.asgd(0.1), {"w": np.zeros(3, np.float32)}, 2, max_updates=5)
-    try:
-        params, _, version = store.pull(0)
-        with pytest.raises(BadPush, match="tree structure"):
-            store.push(0, {"v": np.ones(3, np.float32)}, version)
-        with pytest.raises(BadPush, match=r"leaf 0 is float32\[4\]"):
-            store.push(0, {"w": np.ones(4, np.float32)}, version)
-        with pytest.raises(BadPush, match="float64"):
-            store.push(0, {"w": np.ones(3, np.float64)}, version)
-        with pytest.raises(BadPush, match="NaN or Inf"):
-            store.push(1, {"w": np.array([1.0, np.nan, 0.0], np.float32)}, version).result(timeout=10)
-        with pytest.raises(BadPush, match="NaN or Inf"):  # a payload already on a device is checked there
-            store.push(1, {"w": jnp.array([0.0, 0.0, jnp.inf])}, version).result(timeout=10)
-        np.testing.assert_array_equal(store.state().params["w"], np.zeros(3))  # untouched
-        params, _, version = store.push(1, {"w": np.ones(3, np.float32)}, version).result(timeout=10)
-        np.testing.assert_allclose(params["w"], -0.1 * np.ones(3))
-        assert (store.received, store.applied, store.rejected, store.late) == (6, 1, 5, 0)
-        with pytest.raises(ValueError, match="worker=2"):
-            store.pull(2)
-        # DC-ASGD's backups are the pulled weights: worker 1 pulled (by pushing) the current ones, worker 0 still
-        # holds what it pulled at version 0.
-        for worker, expected, at in ((0, np.zeros(3), 0), (1, -0.1 * np.ones(3), 1)):
-            backup, _, backup_version = store.backup(worker)
-            np.testing.assert_array_equal(backup["w"], expected.astype(np.float32))
-            assert backup_version == at
-    finally:
-        store.close()
-
-
-def test_the_exchange_updates_the_per_worker_stacks_in_place():
-    # DC-ASGD-a with a MeanSquare per worker keeps two M x params stacks (MeanSquare and the backups). The store's
-    # exchange must update one slot of each in place: a copy of a stack per push cost 2 x 16 MB at 1.1M parameters.
-    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=4)
-    store = ParameterStore(rule, {"w": np.zeros((64, 32), np.float32)}, 4)
-    try:
-        payload = jax.device_put({"w": np.ones((64, 32), np.float32)}, store.device)
-        hlo = store._exchange.lower(store._state, store._id(1), payload, None).compile().as_text()
-    finally:
-        store.close()
-    stack_copies = [line for line in hlo.splitlines() if "f32[4,64,32]" in line and " copy(" in line]
-    assert not stack_copies, stack_copies
-
-
-def test_store_stop_policy_and_budget():
-    store = ParameterStore(asgd_jax.asgd(0.1), np.zeros(2, np.float32), 1, on_nonfinite="stop")
-    with pytest.raises(BadPush):
-        store.push(0, np.array([np.inf, 0.0], np.float32), 0).result(timeout=10)
-    with pytest.raises(StoreClosed, match="NaN or Inf"):
-        store.push(0, np.ones(2, np.float32), 0)
-    store.close()
-    budget = ParameterStore(asgd_jax.asgd(0.1), np.zeros(2, np.float32), 1, max_updates=1)
-    budget.push(0, np.ones(2, np.float32), 0).result(timeout=10)
-    with pytest.raises(StoreClosed, match="after 1 updates"):
-        budget.push(0, np.ones(2, np.float32), 1)
-    budget.close()
 
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lsq_problem import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss
 
 import asgd_jax
 from asgd_jax import checkpoint
@@ -31,9 +31,16 @@ def replay(trace_path, steps, params=W0, num=4, batch_size=4):
     trace = asgd_jax.delays.Trace.load(trace_path, num=num)
     assert len(trace) == steps
     return asgd_jax.simulate(
-        lsq_loss, rule(), jnp.asarray(params), DATA, delays=trace, batch_size=batch_size, num_updates=steps,
-        key=jax.random.key(3), progress=False,
-    ).params  # fmt: skip
+        lsq_loss,
+        rule(),
+        jnp.asarray(params),
+        DATA,
+        delays=trace,
+        batch_size=batch_size,
+        num_updates=steps,
+        key=jax.random.key(3),
+        progress=False,
+    ).params
 
 
 def _python(script: str) -> subprocess.CompletedProcess:
@@ -50,7 +57,7 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
         import os, signal, sys
         sys.path.insert(0, "tests")
         import jax, asgd_jax.loader
-        from lsq_problem import DATA, W0, lsq_loss
+        from helpers.problems import DATA, W0, lsq_loss
         from test_trainer_lifecycle import rule
         from asgd_jax.trainer import TrainConfig, train
         original = asgd_jax.loader.ShardLoader.batch

@@ -24,14 +24,13 @@ import ray
 from trainer_overhead import make_problem
 
 import asgd_jax
-from asgd_jax.trainer import train
+from asgd_jax.trainer import TrainConfig, train
 
 
 def run(backend, loss, params, data, steps, workers=2):
-    result = train(
-        loss, asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=workers), params, data, num_workers=workers,
-        steps=steps, batch_size=256, key=jax.random.key(0), backend=backend, devices=jax.devices()[:workers],
-    )  # fmt: skip
+    config = TrainConfig(workers=workers, num_updates=steps, batch_size=256, seed=0, backend=backend, progress=False)
+    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=workers)
+    result = train(loss, rule, params, data, config, devices=jax.devices()[:workers])
     assert result.pushes_applied == steps and not result.failures
     overhead = statistics.mean(w.overhead for w in result.workers if w.pushes)
     return steps / result.seconds, overhead

@@ -175,7 +175,7 @@ def time_simulate(wl, updates: int, chunks: int, engine: str) -> tuple[float, fl
 
 
 def compare(name: str, wl, updates: int, chunks: int, repeats: int) -> dict[str, tuple[float, float, float, float]]:
-    """Interleaved repeats; per engine the medians of (µs/update, ratio) steady and (s, ratio) end to end."""
+    """Interleaved repeats; per engine the medians of (μs/update, ratio) steady and (s, ratio) end to end."""
     steady: dict[str, list[float]] = {}
     e2e: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
@@ -199,7 +199,7 @@ def compare(name: str, wl, updates: int, chunks: int, repeats: int) -> dict[str,
             statistics.median(e2e_ratios[engine]),
         )
     print(f"[{name}: {num_params(wl['params']):,} parameters, batch {wl['batch_size']}, {updates} updates]")
-    print(f"  {'engine':28s} {'steady µs/update':>17s} {'ratio':>6s} {'end to end s':>13s} {'ratio':>6s}")
+    print(f"  {'engine':28s} {'steady μs/update':>17s} {'ratio':>6s} {'end to end s':>13s} {'ratio':>6s}")
     for engine, (s, r, e, er) in out.items():
         print(f"  {engine:28s} {1e6 * s:17.1f} {r:6.2f} {e:13.2f} {er:6.2f}")
     print(flush=True)
@@ -273,7 +273,7 @@ def sweep_throughput(wl, updates: int, chunks: int, repeats: int) -> None:
         n = 1 if name == "floor x1" else runs
         gflops = n * flops / t / 1e9
         print(
-            f"  {name:18s} {1e6 * t:9.1f} µs per step of all runs  {gflops:6.1f} GFLOP/s  {gflops / peak:6.1%} of peak"
+            f"  {name:18s} {1e6 * t:9.1f} μs per step of all runs  {gflops:6.1f} GFLOP/s  {gflops / peak:6.1%} of peak"
         )
     print(flush=True)
 
@@ -290,9 +290,14 @@ def memory_versus_workers(wl, worker_counts) -> None:
     print("     M   state KiB   state / params   XLA temp KiB")
     for m in worker_counts:
         lowered = asgd_jax.simulator.lower(
-            wl["loss"], rule, wl["params"], wl["data"], delays=asgd_jax.delays.Workers(m),
-            batch_size=wl["batch_size"], length=10,
-        )  # fmt: skip
+            wl["loss"],
+            rule,
+            wl["params"],
+            wl["data"],
+            delays=asgd_jax.delays.Workers(m),
+            batch_size=wl["batch_size"],
+            length=10,
+        )
         state = lowered.args_info[0][0]  # the chunk's first argument: the whole simulator state
         state_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
         temp = lowered.compile().memory_analysis().temp_size_in_bytes

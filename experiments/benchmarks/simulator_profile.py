@@ -45,9 +45,16 @@ def chunk_runner(wl, engine: str, length: int):
     delays, rule, extra = bench.ENGINES[engine]()
     key = jax.random.key(0)
     lowered = asgd_jax.simulator.lower(
-        wl["loss"], rule, wl["params"], wl["data"], delays=delays, batch_size=wl["batch_size"], length=length,
-        key=key, **extra,
-    )  # fmt: skip
+        wl["loss"],
+        rule,
+        wl["params"],
+        wl["data"],
+        delays=delays,
+        batch_size=wl["batch_size"],
+        length=length,
+        key=key,
+        **extra,
+    )
     compiled = lowered.compile()
     state = asgd_jax.simulator.init(rule, wl["params"], delays=delays, key=key, n_sync=extra.get("n_sync", 1))
     data = jax.tree.map(jnp.asarray, wl["data"])
@@ -92,10 +99,12 @@ def profile(wl, engine: str, length: int, calls: int, top: int, hlo_dir: str | N
         count[e["name"]] += 1
     n = calls * length
     ops = sum(count.values()) / n
-    print(f"  {engine:28s} wall {1e6 * wall:8.1f} µs/update, {ops:6.1f} ops/update, "
-          f"{sum(total.values()) / n:8.1f} µs of ops/update")  # fmt: skip
+    print(
+        f"  {engine:28s} wall {1e6 * wall:8.1f} μs/update, {ops:6.1f} ops/update, "
+        f"{sum(total.values()) / n:8.1f} μs of ops/update"
+    )
     for name, t in total.most_common(top):
-        print(f"      {t / n:8.1f} µs  {count[name] / n:5.2f}x  {name[:90]}")
+        print(f"      {t / n:8.1f} μs  {count[name] / n:5.2f}x  {name[:90]}")
 
 
 def main():
@@ -109,8 +118,10 @@ def main():
     args = parser.parse_args()
     widths = (64, 256, 256, 10) if args.workload == "W" else (64, 1024, 1024, 10)
     wl = bench.mlp_workload(widths, 64)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; workload {args.workload}, {args.length} updates "
-          f"per chunk, {args.calls} chunks traced")  # fmt: skip
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; workload {args.workload}, {args.length} updates "
+        f"per chunk, {args.calls} chunks traced"
+    )
     for engine in args.engines:
         profile(wl, engine, args.length, args.calls, args.top, args.hlo)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import asgd_jax
-from asgd_jax.trainer import train
+from asgd_jax.trainer import TrainConfig, train
 
 HIDDEN = 1024
 BATCH = 256
@@ -59,10 +59,10 @@ def make_problem():
 
 def run(loss, params, data, devices, *, workers, steps, mode="async", slowdown=None, rule="dc_asgd_a", batch=BATCH):
     rule = asgd_jax.asgd(0.05) if rule == "asgd" else asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=workers)
-    result = train(
-        loss, rule, params, data, num_workers=workers,
-        steps=steps, batch_size=batch, devices=devices, mode=mode, slowdown=slowdown, key=jax.random.key(0),
-    )  # fmt: skip
+    config = TrainConfig(
+        workers=workers, num_updates=steps, batch_size=batch, mode=mode, slowdown=slowdown or {}, seed=0, progress=False
+    )
+    result = train(loss, rule, params, data, config, devices=devices)
     assert result.pushes_applied == steps and not result.failures
     minibatches = sum(w.pushes for w in result.workers)
     overhead = statistics.mean(w.overhead for w in result.workers)
@@ -82,8 +82,10 @@ def main() -> None:
     devices = jax.devices()[:4]
     n = len(devices)
     loss, params, data = make_problem()
-    print(f"{n} x {devices[0].platform} devices, {sum(x.size for p in params for x in p.values()):,} params, batch "
-          f"{args.batch_size} per worker, {steps} updates per run, {repeats} repeats (medians)")  # fmt: skip
+    print(
+        f"{n} x {devices[0].platform} devices, {sum(x.size for p in params for x in p.values()):,} params, batch "
+        f"{args.batch_size} per worker, {steps} updates per run, {repeats} repeats (medians)"
+    )
     configs = {
         **{f"async x{m}": dict(workers=m) for m in (1, 2, 4) if m <= n},
         **{f"async x{m}, ASGD rule": dict(workers=m, rule="asgd") for m in (1, n)},
@@ -100,14 +102,20 @@ def main() -> None:
     for name, (ups, mbs, overhead) in med.items():
         print(f"| {name} | {ups:.1f} | {mbs:.1f} | {100 * overhead:.1f}% |")
     slow_a, slow_s = med[f"async x{n}, worker 0 4x slower"], med[f"sync x{n}, worker 0 4x slower"]
-    print(f"\n(a) store overhead at n_sync=1: async x1 {100 * med['async x1'][2]:.1f}%, x{n} "
-          f"{100 * med[f'async x{n}'][2]:.1f}%; with the ASGD rule x1 {100 * med['async x1, ASGD rule'][2]:.1f}%, "
-          f"x{n} {100 * med[f'async x{n}, ASGD rule'][2]:.1f}% (target <= 10%)")  # fmt: skip
-    print(f"(b) straggler, async / sync: {slow_a[0] / slow_s[0]:.2f}x updates/s, {slow_a[1] / slow_s[1]:.2f}x "
-          "minibatches/s (target >= 2x)")  # fmt: skip
+    print(
+        f"\n(a) store overhead at n_sync=1: async x1 {100 * med['async x1'][2]:.1f}%, x{n} "
+        f"{100 * med[f'async x{n}'][2]:.1f}%; with the ASGD rule x1 {100 * med['async x1, ASGD rule'][2]:.1f}%, "
+        f"x{n} {100 * med[f'async x{n}, ASGD rule'][2]:.1f}% (target <= 10%)"
+    )
+    print(
+        f"(b) straggler, async / sync: {slow_a[0] / slow_s[0]:.2f}x updates/s, {slow_a[1] / slow_s[1]:.2f}x "
+        "minibatches/s (target >= 2x)"
+    )
     base = med["async x1"][0]
-    print("(c) updates/s relative to 1 worker: " + ", ".join(
-        f"x{m}: {med[f'async x{m}'][0] / base:.2f}" for m in (1, 2, 4) if m <= n))  # fmt: skip
+    print(
+        "(c) updates/s relative to 1 worker: "
+        + ", ".join(f"x{m}: {med[f'async x{m}'][0] / base:.2f}" for m in (1, 2, 4) if m <= n)
+    )
 
 
 if __name__ == "__main__":

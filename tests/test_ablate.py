@@ -1,17 +1,19 @@
-"""The ablation job and the ``asgd-jax`` command line."""
+"""``asgd-jax ablate``: DC-ASGD's Table 1 in miniature, the ``dcasgd_table1`` study in its ablate form."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import pathlib
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import asgd_jax
-from asgd_jax import ablation
+from asgd_jax import studies
 from asgd_jax.cli import main
 
 TINY = dict(dataset="digits", workers=(1, 2), seeds=(0, 1), epochs=1.0, evals=2, window=5)
@@ -19,32 +21,28 @@ TINY = dict(dataset="digits", workers=(1, 2), seeds=(0, 1), epochs=1.0, evals=2,
 
 @pytest.fixture(scope="module")
 def tiny_result():
-    return ablation.run(ablation.AblationConfig(**TINY), progress=False)
+    return studies.ablate(progress=False, **TINY)
 
 
-def test_groups_put_each_algorithm_where_the_table_has_it():
-    cfg = ablation.AblationConfig(workers=(1, 4))
-    assert cfg.groups() == [
-        (1, "async", ["sgd"]),
-        (4, "async", ["asgd", "dc_asgd_c", "dc_asgd_a"]),
-        (4, "sync", ["ssgd"]),
-    ]
+def test_arms_put_each_algorithm_where_the_table_has_it():
+    study = studies.load("dcasgd_table1")
+    settings = dataclasses.replace(study.form("ablate"), workers=(1, 4))
+    arms = [(a.workers, a.mode, [v.label for v in a.variants]) for a in study.arms(settings, False)]
+    assert arms == [(1, "async", ["SGD"]), (4, "async", ["ASGD", "DC-ASGD-c", "DC-ASGD-a"]), (4, "sync", ["SSGD"])]
 
 
 def test_result_covers_every_cell_and_seed(tiny_result):
-    table = tiny_result.table()
-    assert set(table) == {1, 2}
-    assert set(table[1]) == {"sgd"} and set(table[2]) == {"asgd", "ssgd", "dc_asgd_c", "dc_asgd_a"}
+    cells = {(r["M"], r["label"]) for r in tiny_result.runs}
+    assert cells == {(1, "SGD")} | {(2, label) for label in ("ASGD", "SSGD", "DC-ASGD-c", "DC-ASGD-a")}
     assert len(tiny_result.runs) == 2 * 5
+    n = len(asgd_jax.data.load("digits").y_train)
     for run in tiny_result.runs:
         assert 0.0 <= run["test_error"] <= 1.0
         # Same epoch budget: async runs make M times more updates than SSGD's rounds.
-        n = len(asgd_jax.data.load("digits").y_train)
-        per_update = 32 * (run["workers"] if run["algorithm"] == "ssgd" else 1)
+        per_update = 32 * (run["M"] if run["label"] == "SSGD" else 1)
         assert abs(run["updates"] * per_update / n - 1.0) < 0.1
-    asgd_runs = [r for r in tiny_result.runs if r["algorithm"] == "asgd"]
-    assert all(r["mean_staleness"] > 0.5 for r in asgd_runs)
-    assert all(r["max_staleness"] == 0 for r in tiny_result.runs if r["algorithm"] in ("sgd", "ssgd"))
+    assert all(r["mean_staleness"] > 0.5 for r in tiny_result.runs if r["label"] == "ASGD")
+    assert all(r["max_staleness"] == 0 for r in tiny_result.runs if r["label"] in ("SGD", "SSGD"))
 
 
 def test_swept_asgd_equals_a_separate_simulation(tiny_result):
@@ -52,11 +50,13 @@ def test_swept_asgd_equals_a_separate_simulation(tiny_result):
     ds = asgd_jax.data.load("digits")
     model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
     params, state = model.init(jax.random.key(0))
-    run = next(r for r in tiny_result.runs if r["algorithm"] == "asgd" and r["seed"] == 1)
+    run = next(r for r in tiny_result.runs if r["label"] == "ASGD" and r["seed"] == 1)
     updates = run["updates"]
+    # The ablation's step schedule: divided by 10 at 50% and 75% of the updates.
+    lr = optax.piecewise_constant_schedule(0.5, {int(0.5 * updates): 0.1, int(0.75 * updates): 0.1})
     alone = asgd_jax.simulate(
         asgd_jax.classification_loss(model),
-        asgd_jax.asgd(ablation._schedule(0.5, updates)),
+        asgd_jax.rules.get("asgd", lr),
         params,
         ds.train,
         delays=asgd_jax.delays.Workers(2),
@@ -71,39 +71,30 @@ def test_swept_asgd_equals_a_separate_simulation(tiny_result):
 
 
 def test_seeded_ablation_gives_identical_numbers_twice(tiny_result):
-    again = ablation.run(ablation.AblationConfig(**TINY), progress=False)
+    again = studies.ablate(progress=False, **TINY)
     assert again.runs == tiny_result.runs
 
 
 def test_save_writes_json_csv_table_and_plot(tiny_result, tmp_path):
-    paths = ablation.save(tiny_result, tmp_path)
+    paths = studies.save(tiny_result, tmp_path, plots=("panels",))
     summary = json.loads(pathlib.Path(paths["json"]).read_text())
-    assert summary["runs"] == tiny_result.runs
-    assert summary["table_test_error_percent"]["2"]["asgd"]["mean"] == pytest.approx(tiny_result.table()[2]["asgd"][0])
+    assert summary["runs"] == json.loads(json.dumps(tiny_result.runs))
     rows = list(csv.DictReader(pathlib.Path(paths["csv"]).read_text().splitlines()))
-    assert len(rows) == len(tiny_result.runs) and rows[0]["algorithm"] == "sgd"
-    table = pathlib.Path(paths["table"]).read_text()
-    assert table.splitlines()[0] == "| M | SGD | ASGD | SSGD | DC-ASGD-c | DC-ASGD-a |"
+    assert len(rows) == len(tiny_result.runs) and rows[0]["label"] == "SGD"
+    table = pathlib.Path(paths["table"]).read_text().splitlines()
+    assert "| M | SGD | ASGD | SSGD | DC-ASGD-c | DC-ASGD-a |" in table
     assert pathlib.Path(paths["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_format_table_lays_out_mean_and_std():
-    result = ablation.AblationResult(
-        ablation.AblationConfig(workers=(1, 4), algorithms=("sgd", "asgd")),
-        runs=[
-            {"algorithm": "sgd", "workers": 1, "seed": 0, "test_error": 0.10},
-            {"algorithm": "sgd", "workers": 1, "seed": 1, "test_error": 0.12},
-            {"algorithm": "asgd", "workers": 4, "seed": 0, "test_error": 0.2},
-        ],
-        curves={("sgd", 1): {}, ("asgd", 4): {}},
-        seconds=0.0,
-    )
-    assert ablation.format_table(result).splitlines() == [
-        "| M | SGD | ASGD |",
-        "|---|---|---|",
-        "| 1 | 11.00 ± 1.41 |  |",
-        "| 4 |  | 20.00 ± 0.00 |",
+    study = studies.load("dcasgd_table1")
+    runs = [
+        {"M": 1, "label": "SGD", "seed": 0, "test_error": 0.10},
+        {"M": 1, "label": "SGD", "seed": 1, "test_error": 0.12},
+        {"M": 4, "label": "ASGD", "seed": 0, "test_error": 0.2},
     ]
+    lines = studies.format_table(dataclasses.replace(study, paper=None), runs, 2).splitlines()
+    assert lines[2:] == ["| M | SGD | ASGD |", "|---|---|---|", "| 1 | 11.00 ± 1.41 | — |", "| 4 | — | 20.00 ± 0.00 |"]
 
 
 @pytest.mark.parametrize(
@@ -120,7 +111,7 @@ def test_format_table_lays_out_mean_and_std():
 )
 def test_bad_config_raises(overrides, match):
     with pytest.raises(ValueError, match=match):
-        ablation.AblationConfig(**overrides)
+        studies.Settings(**overrides)
 
 
 def test_cli_help_lists_the_commands(capsys):

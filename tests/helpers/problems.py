@@ -1,0 +1,45 @@
+"""Small least-squares problems: one without noise (the trainer, store, life-cycle and Ray tests), one with noise
+and a random start (the simulator's tests), and the simulator run on it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import asgd_jax
+
+N, DIM, B = 96, 4, 8
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(N, DIM)).astype(np.float32)
+DATA = {"x": X, "y": (X @ _rng.normal(size=DIM)).astype(np.float32)}
+W0 = np.zeros(DIM, np.float32)
+
+
+def lsq_loss(w, batch):
+    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+
+def _noisy(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, DIM)).astype(np.float32)
+    y = (x @ rng.normal(size=DIM) + 0.1 * rng.normal(size=N)).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+NOISY = _noisy()
+W1 = np.random.default_rng(1).normal(size=DIM).astype(np.float32)
+
+
+def simulate_lsq(rule, delay_model, num_updates=40, key=0, **kwargs):
+    """``asgd_jax.simulate`` on the noisy problem from ``W1``, batch ``B`` unless given, no progress bar."""
+    kwargs.setdefault("progress", False)
+    return asgd_jax.simulate(
+        lsq_loss,
+        rule,
+        jnp.asarray(W1),
+        NOISY,
+        delays=delay_model,
+        batch_size=kwargs.pop("batch_size", B),
+        num_updates=num_updates,
+        key=jax.random.key(key),
+        **kwargs,
+    )

@@ -1,0 +1,57 @@
+"""Delay models: who pushes next and at which snapshot, in distribution and for a recorded trace."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.problems import simulate_lsq
+
+import asgd_jax
+from asgd_jax import delays
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_equal_constant_workers_are_round_robin_with_staleness_m_minus_1(m):
+    result = simulate_lsq(asgd_jax.asgd(0.01), delays.Workers(m, compute_time="constant"), num_updates=30)
+    np.testing.assert_array_equal(result.metrics["worker"], np.arange(30) % m)
+    np.testing.assert_array_equal(result.metrics["staleness"][:m], np.arange(m))
+    np.testing.assert_array_equal(result.metrics["staleness"][m:], m - 1)
+
+
+def test_exponential_workers_have_mean_staleness_m_minus_1():
+    result = simulate_lsq(asgd_jax.asgd(0.001), delays.Workers(8), num_updates=4000, batch_size=4)
+    tau = result.metrics["staleness"][200:]
+    assert abs(tau.mean() - 7.0) < 0.35
+    assert tau.max() > 16  # exponential times give a long tail
+    assert np.all(np.diff(result.metrics["time"]) >= 0)
+
+
+def test_random_delay_is_uniform():
+    result = simulate_lsq(asgd_jax.asgd(0.001), delays.RandomDelay(4), num_updates=3000, batch_size=4)
+    tau = result.metrics["staleness"][4:]
+    counts = np.bincount(tau, minlength=5)
+    assert len(counts) == 5 and np.all(np.abs(counts / len(tau) - 0.2) < 0.03)
+
+
+def test_stragglers_and_speeds_shift_the_pushes():
+    fast_slow = delays.Workers(2, compute_time="constant", speeds=jnp.array([3.0, 1.0]))
+    result = simulate_lsq(asgd_jax.asgd(0.01), fast_slow, num_updates=40)
+    assert abs(np.mean(result.metrics["worker"] == 0) - 0.75) < 0.05
+    straggly = delays.Workers(4, compute_time="constant", straggler_prob=0.3, straggler_slowdown=10.0)
+    result = simulate_lsq(asgd_jax.asgd(0.01), straggly, num_updates=400, batch_size=4)
+    assert result.metrics["staleness"].max() > 10
+    assert result.metrics["time"][-1] > 400 / 4 * 1.5  # slowed down overall
+
+
+def test_trace_loads_a_trainer_jsonl(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        '{"worker": 1, "pulled_version": 0, "applied_version": 1, "time": 0.5}\n{"worker": 0, "time": 0.7}\n'
+    )
+    trace = delays.Trace.load(path)
+    assert trace.num == 2 and trace.worker_ids.tolist() == [1, 0]
+    np.testing.assert_allclose(trace.times, [0.5, 0.7])
+    (tmp_path / "bad.jsonl").write_text('{"pushes": 1}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        delays.Trace.load(tmp_path / "bad.jsonl")

@@ -1,0 +1,40 @@
+"""The data order: every epoch a keyed permutation, shards disjoint and re-drawn, the same on the host and device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers.problems import N
+
+from asgd_jax import order
+from asgd_jax.simulator import shard_indices
+
+
+def test_data_shards_are_disjoint_cover_the_epoch_and_reshuffle():
+    a = np.asarray(shard_indices(jax.random.key(0), 0, N, 8))
+    b = np.asarray(shard_indices(jax.random.key(0), 1, N, 8))
+    assert a.shape == (8, N // 8)
+    assert sorted(a.ravel().tolist()) == list(range(N))
+    assert not np.array_equal(a, b) and sorted(b.ravel().tolist()) == list(range(N))
+    np.testing.assert_array_equal(a, shard_indices(jax.random.key(0), 0, N, 8))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 65, 1000, 1438, 4097])
+def test_every_epoch_is_a_permutation_of_the_examples(n):
+    # A Feistel network over the next power of four, restricted to [0, n) by cycle walking: a bijection for any n.
+    words = order.key_words(jax.random.key(3))
+    for epoch in (0, 1, 17):
+        idx = np.asarray(order.example_index(words, epoch, np.arange(n), n))
+        assert sorted(idx.tolist()) == list(range(n))
+    first, second = (np.asarray(order.example_index(words, e, np.arange(n), n)) for e in (0, 1))
+    assert n < 3 or not np.array_equal(first, second)  # re-drawn every epoch
+
+
+def test_the_order_is_a_pure_function_of_key_epoch_and_position():
+    words = order.key_words(jax.random.key(5))
+    whole = np.asarray(order.example_index(words, 2, np.arange(100), 100))
+    part = np.asarray(order.example_index(words, 2, np.arange(40, 60), 100))  # any slice, computed alone
+    np.testing.assert_array_equal(whole[40:60], part)
+    jitted = jax.jit(order.example_index, static_argnums=3)(words, 2, np.arange(100), 100)
+    np.testing.assert_array_equal(whole, np.asarray(jitted))
