@@ -136,7 +136,7 @@ def _tfds():
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        raise ImportError(
+        raise errors.MissingDependency(
             "TFDS datasets need tensorflow-datasets: pip install 'asgd_jax[tfds]' (or: pip install "
             "tensorflow-datasets importlib_resources)."
         ) from None

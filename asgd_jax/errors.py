@@ -22,11 +22,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ConfigError", "choice", "finite_number", "int_at_least", "positive_int", "require"]
+__all__ = ["ConfigError", "MissingDependency", "choice", "finite_number", "int_at_least", "positive_int", "require"]
 
 
 class ConfigError(ValueError):
     """A setting a user gave is invalid; the message names it, the value and what is allowed."""
+
+
+class MissingDependency(ConfigError, ImportError):
+    """An optional package the asked-for feature needs is not installed; the message gives the install command."""
 
 
 def require(ok: bool, name: str, value: Any, allowed: str, flag: str | None = None) -> None:

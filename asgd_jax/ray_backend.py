@@ -54,7 +54,7 @@ def require_ray():
     try:
         import ray
     except ImportError:
-        raise errors.ConfigError(
+        raise errors.MissingDependency(
             f"backend='ray' (--backend ray) needs Ray, which is not installed: {INSTALL}"
         ) from None
     return ray
