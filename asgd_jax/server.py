@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["ServerState", "init", "pull", "push", "snapshot"]
+__all__ = ["ServerState", "exchange", "init", "pull", "push", "snapshot", "snapshot_version"]
 
 
 class ServerState(NamedTuple):
@@ -152,3 +152,24 @@ def push(
         version=optax.safe_increment(state.version),
     )
     return new, staleness
+
+
+def exchange(
+    rule: optax.GradientTransformation,
+    state: ServerState,
+    slot: jax.Array,
+    grads: Any,
+    model_state: Any = None,
+    *,
+    pull_slot: jax.Array | None = None,
+    stale_params: Any = None,
+    pull_weights: bool = True,
+) -> tuple[ServerState, jax.Array]:
+    """One exchange, atomically: :func:`push` from ``slot``, then :func:`pull` into ``pull_slot`` (default: the same
+    slot, a worker that pulls right after it pushes). What the simulator's step and the trainer's store both do.
+
+    Returns:
+      ``(new_state, staleness)``.
+    """
+    state, staleness = push(rule, state, slot, grads, model_state, stale_params=stale_params)
+    return pull(state, slot if pull_slot is None else pull_slot, weights=pull_weights), staleness

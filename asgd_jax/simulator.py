@@ -263,10 +263,16 @@ def _async_update(c: _Ctx, state: SimState, k_delay: jax.Array):
     k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), event.push_slot)
     ds, batches = _take(c.data, c.data_words, ex, state.data, event.shard)
     payload, model_state, loss, aux = exchange.work(c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr)
-    srv, staleness = server.push(
-        c.rule, state.server, event.push_slot, payload, model_state if ex.stateful else None, stale_params=params0
+    srv, staleness = server.exchange(
+        c.rule,
+        state.server,
+        event.push_slot,
+        payload,
+        model_state if ex.stateful else None,
+        pull_slot=event.pull_slot,
+        stale_params=params0,
+        pull_weights=not live,
     )  # the snapshot the gradient was computed at, read once
-    srv = server.pull(srv, event.pull_slot, weights=not live)
     new = SimState(server=srv, delay=delay_state, data=ds, clock=event.time.astype(jnp.float32))
     return new, (loss, aux, staleness, event.push_slot, ex.n_sync * ex.batch_size)
 
@@ -281,10 +287,9 @@ def _sync_update(c: _Ctx, state: SimState, k_delay: jax.Array, k_model: jax.Arra
     )(batches, jax.random.split(k_model, num))
     mean_state = exchange.mean_tree(model_states) if ex.stateful else None
     # Slot 0 is the live slot (see _live_slot): its weights are w_t, the point every payload was computed at.
-    srv, staleness = server.push(
-        c.rule, state.server, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0
+    srv, staleness = server.exchange(
+        c.rule, state.server, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0, pull_weights=False
     )
-    srv = server.pull(srv, 0, weights=False)
     clock = (state.clock + c.delays.sync_time(k_delay, ex.n_sync)).astype(jnp.float32)
     new = SimState(server=srv, delay=state.delay, data=ds, clock=clock)
     aux = jax.tree.map(jnp.mean, auxes)

@@ -136,11 +136,9 @@ class ParameterStore:
         # A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
         # The state is donated: the server updates weights, rule state and the M backups in place instead of copying
         # (M + 2) x params per push, which made the store as slow as a gradient (benchmarks/trainer_overhead.py).
-        self._exchange = jax.jit(lambda s, w, g, ms: _push_then_pull(rule, s, w, g, ms), donate_argnums=0)
+        self._exchange = jax.jit(lambda s, w, g, ms: server.exchange(rule, s, w, g, ms), donate_argnums=0)
         self._pull = jax.jit(server.pull)
-        self._backup = jax.jit(
-            lambda s, i: (*jax.tree.map(lambda x: x[i], (s.backup_params, s.backup_model_state)), s.backup_version[i])
-        )
+        self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
         self._lock = threading.Lock()
         # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
         self._round: dict[int, tuple] = {}
@@ -492,13 +490,6 @@ def _open_trace(path: str, keep: int):
         f.writelines(lines)
     os.replace(tmp, path)
     return open(path, "a")
-
-
-def _push_then_pull(rule, state: server.ServerState, worker, payload, model_state):
-    """The store's exchange: apply the push, then record that worker's pull, atomically (the simulator's order).
-    Returns ``(state, staleness)``."""
-    state, staleness = server.push(rule, state, worker, payload, model_state)
-    return server.pull(state, worker), staleness
 
 
 def _all_finite(tree) -> bool:
