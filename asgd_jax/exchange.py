@@ -38,6 +38,7 @@ __all__ = [
     "key_fingerprint",
     "mean_tree",
     "split_key",
+    "validate",
     "work",
     "worker_function",
 ]
@@ -226,6 +227,37 @@ class Exchange:
                 f"shards leaves {shard_size} per shard. Lower batch_size or the number of workers."
             )
         return cls(mode, n_sync, push, batch_size, num_examples, shard_size, bool(stateful))
+
+
+def validate(
+    loss: Loss,
+    data: Any,
+    params: Any,
+    model_state: Any,
+    num_shards: int,
+    *,
+    mode: str = "async",
+    n_sync: int = 1,
+    push: str = "gradients",
+    batch_size: int = 32,
+    local_learning_rate: float | None = None,
+) -> Exchange:
+    """Everything an engine checks before it starts: the exchange settings against the data, finite initial weights,
+    and the loss's declared form on a minibatch's shapes. Returns the run's :class:`Exchange`."""
+    ex = Exchange.create(
+        data,
+        num_shards,
+        mode=mode,
+        n_sync=n_sync,
+        push=push,
+        batch_size=batch_size,
+        local_learning_rate=local_learning_rate,
+        stateful=loss.has_model_state,
+    )
+    if not all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(params))):
+        raise errors.ConfigError("params hold NaN or Inf: start from finite weights (check the initialisation).")
+    loss.check(params, {} if model_state is None else model_state, jax.tree.map(lambda a: a[:batch_size], data))
+    return ex
 
 
 def _num_examples(data: Any) -> int:

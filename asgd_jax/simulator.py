@@ -123,20 +123,18 @@ def _validate(spec: _Spec, delays, data, loss: exchange.Loss, params, model_stat
             f"num_updates={spec.num_updates} but the trace holds only {len(delays)} pushes: lower num_updates or give "
             "a longer trace."
         )
-    ex = Exchange.create(
+    ex = exchange.validate(
+        loss,
         data,
+        params,
+        model_state,
         delays.num_shards,
         mode=spec.mode,
         n_sync=spec.n_sync,
         push=spec.push,
         batch_size=spec.batch_size,
         local_learning_rate=spec.local_learning_rate,
-        stateful=loss.has_model_state,
     )
-    if not all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(params))):
-        raise errors.ConfigError("params hold NaN or Inf: start from finite weights (check the initialisation).")
-    batch = jax.tree.map(lambda a: a[: ex.batch_size], data)
-    loss.check(params, {} if model_state is None else model_state, batch)
     return ex
 
 

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from asgd_jax import errors, exchange, session
@@ -72,19 +71,18 @@ def train(
     loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     if config.eval_every is not None and eval_fn is None:
         raise errors.ConfigError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
-    ex = exchange.Exchange.create(
+    ex = exchange.validate(
+        loss,
         data,
+        params,
+        model_state,
         config.workers,
         mode=config.mode,
         n_sync=config.n_sync,
         push=config.push,
         batch_size=config.batch_size,
         local_learning_rate=config.local_lr,
-        stateful=loss.has_model_state,
     )
-    if not all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(params))):
-        raise errors.ConfigError("params hold NaN or Inf: start from finite weights (check the initialisation).")
-    loss.check(params, {} if model_state is None else model_state, jax.tree.map(lambda a: a[: ex.batch_size], data))
     devices = list(devices or jax.devices())
     if config.backend == "threads":
         session.device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
