@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
+import zlib
 from typing import Any
 
 import jax
@@ -52,12 +54,10 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
       ``(state, arrays, header)``.
 
     Raises:
-      ValueError: when the file does not fit the template (another model, worker count or rule).
+      ConfigError: when the file is not a readable checkpoint (cut short, empty, corrupted, not ours), or does not fit
+        the template (another model, worker count or rule).
     """
-    with np.load(os.fspath(path)) as f:
-        header = json.loads(bytes(f[_HEADER]).decode())
-        leaves = [f[k] for k in sorted(k for k in f.files if k.startswith("leaf_"))]
-        arrays = {k[len("array_") :]: f[k] for k in f.files if k.startswith("array_")}
+    header, leaves, arrays = _read(os.fspath(path))
     template_leaves, treedef = jax.tree.flatten(template)
     if len(leaves) != len(template_leaves):
         raise errors.ConfigError(
@@ -71,6 +71,30 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
                 f"{np.asarray(want).dtype}{list(np.shape(want))}: it was written by a different configuration."
             )
     return jax.tree.unflatten(treedef, leaves), arrays, header
+
+
+def _read(path: str) -> tuple[dict[str, Any], list[np.ndarray], dict[str, np.ndarray]]:
+    """The header, leaves and arrays of a checkpoint file, every array read now (so damage shows here)."""
+    damaged = (
+        f"{path} is not a readable checkpoint ({{}}): it was cut short or corrupted (a full disk, a copy "
+        "that did not finish). Restore it from a copy, or move it aside to start afresh."
+    )
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if _HEADER not in f.files:
+                raise errors.ConfigError(damaged.format("no asgd_jax header"))
+            header = json.loads(bytes(f[_HEADER]).decode())
+            leaves = [f[k] for k in sorted(k for k in f.files if k.startswith("leaf_"))]
+            arrays = {k[len("array_") :]: f[k] for k in f.files if k.startswith("array_")}
+    except errors.ConfigError:
+        raise
+    except FileNotFoundError:
+        raise errors.ConfigError(f"{path} does not exist.") from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError) as e:
+        raise errors.ConfigError(damaged.format(f"{type(e).__name__}: {e}"[:200])) from None
+    if not isinstance(header, dict):
+        raise errors.ConfigError(damaged.format("its header is not a JSON object"))
+    return header, leaves, arrays
 
 
 def save_model(path: str | os.PathLike, params: Any, model_state: Any = None) -> None:

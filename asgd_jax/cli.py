@@ -209,19 +209,33 @@ def _add_train(sub) -> None:
     a("--devices-per-worker", type=int, default=d.devices_per_worker, help="devices per worker (batch split)")
     a("--out", default="runs/train", help="the run's folder")
     a("--checkpoint-every", type=int, default=d.checkpoint_every, help="updates between checkpoints [a tenth]")
-    a("--resume", action="store_true", help="continue from --out's checkpoint")
+    a(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_flag,
+        help="continue from --out's checkpoint (which must be there); --resume auto: continue if there is one",
+    )
     a("--warm-start-steps", type=int, default=d.warm_start_steps, help="first K updates with a single worker")
     a("--eval-every", type=int, default=d.eval_every, help="updates between evaluations [a tenth]")
     a("--log-every", type=float, default=d.log_every, help="seconds between records of metrics.jsonl")
     a("--progress", action=argparse.BooleanOptionalAction, default=d.progress, help="a progress bar")
     a("--on-worker-failure", default=d.on_worker_failure, choices=FAILURE_POLICIES, help="a dead worker")
     a("--on-nonfinite", default=d.on_nonfinite, choices=NONFINITE_POLICIES, help="NaN/Inf pushes")
+    a("--max-nonfinite", type=int, default=d.max_nonfinite, help="NaN/Inf pushes in a row that stop the run [10 x M]")
     a("--slowdown", nargs="+", default=None, metavar="W:F", help="straggler study: worker W F times slower")
     a("--timeout", type=float, default=d.timeout, help="seconds before the run is stopped")
     a("--backend", default=d.backend, choices=BACKENDS, help="ray: actors on a Ray cluster")
     a("--ray-address", default=d.ray_address, help="Ray cluster to join ('auto': the local `ray start`)")
     a("--max-restarts", type=int, default=d.max_restarts, help="Ray: restarts of a dead worker actor")
     p.set_defaults(func=_train, parser=p, actions=actions)
+
+
+def _resume_flag(value: str) -> bool | str:
+    if value == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
 
 
 def _parse_slowdown(values: Sequence[str] | None) -> dict[int, float]:
@@ -300,6 +314,21 @@ def _rule(args: argparse.Namespace):
     return rules.get(args.rule, args.lr, **hp)
 
 
+def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Adds the command line's flags to the run's ``summary.json`` (if the run wrote one); returns the summary."""
+    path = os.path.join(out, "summary.json")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+        summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "actions")}
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    except (OSError, ValueError) as e:
+        print(f"asgd-jax: could not update {path}: {e}", file=sys.stderr)
+        return {}
+    return summary
+
+
 def _train(args: argparse.Namespace) -> int:
     config = _train_config(args)  # every flag checked before anything loads
     rule = _rule(args)
@@ -337,20 +366,27 @@ def _train(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt as e:
         print(f"asgd-jax: {e} (checkpoint in {config.out}; add --resume to continue)", file=sys.stderr)
+        _add_args_to_summary(config.out, args)
         return 130
-    summary_path = os.path.join(config.out, "summary.json")
-    with open(summary_path) as f:
-        summary = json.load(f)
-    summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "actions")}
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+    except errors.RunStopped as e:
+        _add_args_to_summary(config.out, args)
+        print(f"asgd-jax: {e}. The last good checkpoint and summary.json are in {config.out}.", file=sys.stderr)
+        return 1
+    summary = _add_args_to_summary(config.out, args)
     error = f"{100 * result.evals[-1]['error']:.2f}%" if result.evals else "n/a"
     late = f", of which {result.pushes_late} arrived after the last update" if result.pushes_late else ""
     print(
         f"test error {error} | pushes sent {result.pushes_sent}, applied {result.pushes_applied}, "
-        f"rejected {result.pushes_rejected}{late} | {summary['updates_per_second']:.0f} updates/s | "
+        f"rejected {result.pushes_rejected}{late} | {summary.get('updates_per_second', 0):.0f} updates/s | "
         f"trace: {result.trace_path}"
     )
+    if result.ended == "timeout":
+        print(
+            f"asgd-jax: stopped by --timeout {config.timeout:g} s after {result.pushes_applied} of "
+            f"{config.num_updates} updates; --resume continues",
+            file=sys.stderr,
+        )
+        return 3
     return 0 if not result.failures else 1
 
 

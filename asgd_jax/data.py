@@ -13,8 +13,10 @@ training-split statistics) and int32 labels.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import os
 from collections.abc import Callable
 
@@ -175,13 +177,29 @@ def tfds_source(name: str, split: str, *, data_dir: str | os.PathLike | None = N
     ds_name, config = _parse_tfds(name)
     data_dir = _default_data_dir(data_dir)
     full = ds_name if config is None else f"{ds_name}/{config}"
-    try:
-        builder = tfds.builder(full, data_dir=data_dir)
-    except Exception as e:  # an unknown name: TFDS's own message lists close matches
-        raise errors.ConfigError(f"TFDS has no dataset {full!r}: {e}") from None
+    builder = _builder(tfds, full, data_dir)
     _require_prepared(builder, name, data_dir)
     source = tfds.data_source(full, split=split, data_dir=data_dir, download=False)
     return source, builder.info
+
+
+def _builder(tfds, full: str, data_dir: str):
+    """TFDS's builder of ``full``, or a one-line error with the closest names (TFDS's own lists every dataset)."""
+    try:
+        return tfds.builder(full, data_dir=data_dir)
+    except Exception:
+        import difflib
+
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # TFDS prints a banner when TensorFlow is missing
+                names = tfds.list_builders()
+        except Exception:  # listing needs TensorFlow in some TFDS versions
+            names = list(TFDS_DOCUMENTED)
+        close = difflib.get_close_matches(full.split("/")[0], names, n=5)
+        hint = f": did you mean {', '.join(close)}?" if close else "."
+        raise errors.ConfigError(
+            f"TFDS has no dataset {full!r}{hint} The catalog: https://www.tensorflow.org/datasets/catalog"
+        ) from None
 
 
 def _read_all(source, image_key: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -279,10 +297,7 @@ def prepare(
     ds_name, config = _parse_tfds(name if name.startswith("tfds:") else f"tfds:{name}")
     full = ds_name if config is None else f"{ds_name}/{config}"
     data_dir = _default_data_dir(data_dir)
-    try:
-        builder = tfds.builder(full, data_dir=data_dir)
-    except Exception as e:
-        raise errors.ConfigError(f"TFDS has no dataset {full!r}: {e}") from None
+    builder = _builder(tfds, full, data_dir)
     download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir) if manual_dir else None)
     builder.download_and_prepare(file_format="array_record", download_config=download_config)
     return builder.data_dir

@@ -257,20 +257,37 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike, num: int | None = None) -> Trace:
-        """Reads a trainer's ``trace.jsonl`` (one JSON object with ``worker`` and ``time`` per applied push)."""
-        workers, times = [], []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    workers.append(int(record["worker"]))
-                    times.append(float(record.get("time", n)))
-                except (ValueError, KeyError) as e:
-                    raise errors.ConfigError(f"{path}:{n}: not a trace record with a 'worker' field ({e}).") from e
+        """Reads a trainer's ``trace.jsonl`` (one JSON object with ``worker`` and ``time`` per applied push).
+
+        The number of workers is the one the records say (``workers``: a worker that never pushed still counts), or
+        ``num`` for traces without it; a half-written last line (a killed run) is left out.
+        """
+        workers, times, counts = [], [], set()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise errors.ConfigError(
+                f"{path} is not a readable trace ({type(e).__name__}): give a trace.jsonl."
+            ) from None
+        lines = text.split("\n")
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                workers.append(int(record["worker"]))
+                times.append(float(record.get("time", n)))
+                counts.add(record.get("workers"))
+            except (ValueError, KeyError, TypeError) as e:
+                if n == len(lines):  # the last line, cut mid-write
+                    break
+                raise errors.ConfigError(f"{path}:{n}: not a trace record with a 'worker' field ({e}).") from None
         if not workers:
             raise errors.ConfigError(f"{path} holds no trace records.")
+        recorded = {c for c in counts if c is not None}
+        if num is None and len(recorded) == 1:
+            num = int(recorded.pop())
         return cls(np.asarray(workers, np.int32), np.asarray(times, np.float32), num)
 
 

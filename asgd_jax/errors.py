@@ -22,11 +22,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ConfigError", "MissingDependency", "choice", "finite_number", "int_at_least", "positive_int", "require"]
+__all__ = [
+    "ConfigError",
+    "MissingDependency",
+    "RunStopped",
+    "choice",
+    "finite_number",
+    "int_at_least",
+    "positive_int",
+    "require",
+]
 
 
 class ConfigError(ValueError):
     """A setting a user gave is invalid; the message names it, the value and what is allowed."""
+
+
+class RunStopped(RuntimeError):
+    """A training run stopped before its end for a reason it states (diverged, a full disk, a dead worker under
+    ``on_worker_failure='stop'``); what could be saved (the last good checkpoint, ``summary.json``) is on disk."""
 
 
 class MissingDependency(ConfigError, ImportError):

@@ -115,6 +115,10 @@ class StoreActor:
     def status(self) -> dict[str, Any]:
         return self.store.status()
 
+    def fail(self, message: str) -> None:
+        """Stops the store with ``message`` (the driver's metrics file could not be written)."""
+        self.store.fail(OSError(message))
+
     def progress(self) -> tuple[dict[str, Any], list[float], list[tuple]]:
         """The status, the losses pushed since the last call and the snapshots taken since then (both handed over)."""
         losses, self._losses = self._losses, []
@@ -124,8 +128,7 @@ class StoreActor:
     def close(self):
         """Closes the store (final checkpoint); returns :meth:`progress` and the final weights."""
         self.store.close()
-        final = self.store.state()
-        return self.progress(), final.params, final.model_state
+        return self.progress(), *self.store.final_weights()
 
 
 class WorkerActor:
@@ -305,6 +308,7 @@ class _Driver:
             "resume": self.out is not None,
             "header": header,
             "snapshot_every": c.eval_interval() if self.evaluator else None,
+            "max_nonfinite": c.max_nonfinite,
         }
         self.store = (
             ray.remote(StoreActor)
@@ -413,6 +417,8 @@ class _Driver:
                 next_log += self.c.log_every
                 record = self._record()
                 self.metrics.write(record)
+                if self.metrics.error is not None:  # a full disk: stop now, the checkpoint is still good
+                    ray.get(self.store.fail.remote(f"writing metrics.jsonl failed: {self.metrics.error}"))
                 bar.update(self.status["applied"] - bar.n)
                 if record["loss"] is not None:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)

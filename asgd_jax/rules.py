@@ -37,6 +37,7 @@ __all__ = [
     "dc_asgd",
     "delay_adaptive_sgd",
     "drop_stale",
+    "fingerprint",
     "get",
     "defaults",
     "names",
@@ -562,3 +563,45 @@ def register(name: str, factory: Callable[..., optax.GradientTransformationExtra
     if not callable(factory):
         raise errors.ConfigError(f"factory={factory!r} is invalid: give a function (learning_rate, **hp) -> rule.")
     RULES[name] = factory
+
+
+def fingerprint(rule: optax.GradientTransformation, params: Any) -> str:
+    """A short hash of what ``rule`` does: its first two updates of a fixed probe shaped like ``params``.
+
+    Two rules that differ in a hyperparameter (learning rate, lambda, momentum, ...) give different fingerprints;
+    the same rule built twice gives the same one (computed on the CPU, rounded to 6 significant digits). A resumed
+    run checks it, so that a run is never continued with another rule. A change that only shows after two updates
+    (a schedule's later steps) is not seen.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> w = jnp.zeros(3)
+      >>> asgd_jax.rules.fingerprint(asgd_jax.asgd(0.1), w) == asgd_jax.rules.fingerprint(asgd_jax.asgd(0.1), w)
+      True
+      >>> asgd_jax.rules.fingerprint(asgd_jax.asgd(0.1), w) == asgd_jax.rules.fingerprint(asgd_jax.asgd(0.2), w)
+      False
+    """
+    import hashlib
+
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.transfer_guard("allow"):
+        probe = jax.tree.map(
+            lambda p: 0.01 * (1.0 + jnp.arange(np.size(p), dtype=jnp.float32).reshape(np.shape(p)) % 7), params
+        )
+        grads = jax.tree.map(lambda p: 0.5 - p, probe)
+        state = rule.init(probe)
+        out = []
+        for step in range(2):
+            updates, state = rule.update(
+                grads,
+                state,
+                probe,
+                stale_params=jax.tree.map(lambda p: 0.9 * p, probe),
+                staleness=jnp.int32(step + 2),
+                worker=jnp.int32(0),
+            )
+            out += [np.asarray(u, np.float64) for u in jax.tree.leaves(updates)]
+    digest = hashlib.sha256()
+    for u in out:  # a leaf's first elements and its sum, to 6 significant digits: cheap for a big model, and stable
+        digest.update(" ".join(f"{x:.6g}" for x in [*u.ravel()[:64], u.sum()]).encode())
+    return digest.hexdigest()[:16]

@@ -74,13 +74,15 @@ class TrainConfig:
         minibatch is split over the group and the gradients averaged inside it.
       out: the run's folder: ``trace.jsonl``, ``metrics.jsonl``, ``checkpoint.npz``, ``model.npz``, ``summary.json``.
       checkpoint_every: updates between checkpoints (default: a tenth of the run); needs ``out``.
-      resume: continue from ``out``'s checkpoint (an existing checkpoint is otherwise an error).
+      resume: ``True``: continue from ``out``'s checkpoint (one must be there); ``"auto"``: continue if there is one,
+        else start; ``False``: start (an existing checkpoint is an error, never overwritten).
       warm_start_steps: first this many updates with a single worker, then all M start from its weights.
       eval_every: updates between evaluations (default: a tenth of the run), when an ``eval_fn`` is given.
       log_every: seconds between records of ``metrics.jsonl`` (and progress-bar refreshes).
       progress: show a progress bar.
       on_worker_failure: ``"continue"`` (the others carry on) or ``"stop"``; SSGD always stops.
       on_nonfinite: a NaN/Inf push is ``"reject"``-ed (counted) or ``"stop"``-s the run.
+      max_nonfinite: this many NaN/Inf pushes in a row stop the run (a diverged model; default: 10 per worker).
       slowdown: ``{worker: factor}`` makes those workers ``factor`` times slower (stragglers).
       timeout: seconds after which the run is stopped regardless.
       backend: ``"threads"`` (this machine's devices) or ``"ray"`` (actors on a Ray cluster).
@@ -108,13 +110,14 @@ class TrainConfig:
     devices_per_worker: int = 1
     out: str | None = None
     checkpoint_every: int | None = None
-    resume: bool = False
+    resume: bool | str = False
     warm_start_steps: int = 0
     eval_every: int | None = None
     log_every: float = 1.0
     progress: bool = True
     on_worker_failure: str = "continue"
     on_nonfinite: str = "reject"
+    max_nonfinite: int | None = None
     slowdown: Mapping[int, float] = dataclasses.field(default_factory=dict)
     timeout: float = 24 * 3600.0
     backend: str = "threads"
@@ -127,7 +130,7 @@ class TrainConfig:
             errors.int_at_least(name, getattr(self, name), 1, flag(name))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))
-        for name in ("checkpoint_every", "eval_every"):
+        for name in ("checkpoint_every", "eval_every", "max_nonfinite"):
             if getattr(self, name) is not None:
                 errors.int_at_least(name, getattr(self, name), 1, flag(name))
         for name, choices in (
@@ -236,6 +239,8 @@ class TrainResult:
       evals: the evaluations, ``{"update": t, "time": s, **eval_fn(...)}`` in update order.
       resumed_from: the update the run resumed at (0 for a fresh run).
       staleness_counts: ``{staleness: applied pushes}`` over the whole run.
+      ended: ``"finished"`` (the budget was reached), ``"timeout"`` (``timeout`` cut it short: ``resume`` continues),
+        or ``"workers failed"`` (every worker died).
     """
 
     params: Any
@@ -254,6 +259,7 @@ class TrainResult:
     evals: list[dict[str, float]]
     resumed_from: int
     staleness_counts: dict[int, int]
+    ended: str = "finished"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -487,27 +493,36 @@ def finish(
         evals=evals,
         resumed_from=s["resumed_from"],
         staleness_counts=dict(sorted(s["staleness_counts"].items())),
+        ended=_ended(outcome),
     )
+    if outcome.timed_out:
+        log.warning("stopped by the timeout at update %d (resume continues)", s["applied"])
     if out_dir is not None:
         _write_summary(out_dir, result, outcome, summary)
     if outcome.interrupted:
         raise KeyboardInterrupt(f"training interrupted at update {s['applied']}; resume=True continues")
     if s["error"] is not None:
-        raise RuntimeError(f"training stopped: {s['error']}")
+        raise errors.RunStopped(f"training stopped at update {s['applied']}: {s['error']}")
     return result
+
+
+def _ended(outcome: Outcome) -> str:
+    if outcome.interrupted:
+        return "interrupted"
+    if outcome.status["error"] is not None:
+        return "stopped"
+    if outcome.timed_out:
+        return "timeout"
+    if outcome.failures and len(outcome.failures) == len(outcome.workers):
+        return "workers failed"
+    return "finished"
 
 
 def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, extra: dict[str, Any]) -> None:
     """``summary.json``: the run's outcome in one file (counts, the last evaluation, how it ended)."""
     session_updates = result.pushes_applied - result.resumed_from
     summary = {
-        "ended": "interrupted"
-        if outcome.interrupted
-        else "timeout"
-        if outcome.timed_out
-        else "stopped"
-        if outcome.status["error"] is not None
-        else "finished",
+        "ended": _ended(outcome),
         "error": outcome.status["error"],
         "evals": result.evals,
         "test_error": result.evals[-1].get("error") if result.evals else None,

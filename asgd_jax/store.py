@@ -81,6 +81,11 @@ class ParameterStore:
         refused (another worker count, batch size, data order...).
       snapshot_every, on_snapshot: ``on_snapshot(version, params, model_state)`` is called by the applier right after
         every ``snapshot_every``-th update (no copy; it must return quickly, e.g. enqueue an evaluation).
+      max_nonfinite: this many NaN/Inf pushes in a row stop the store (default: 10 per worker): a diverged model.
+
+    Nothing fails silently: a failing trace or checkpoint write (a full disk), an exception in the applier, or
+    weights that turn NaN/Inf close the store with :attr:`error` set, and the workers' next push raises
+    :class:`StoreClosed` saying why. The last checkpoint on disk stays the last good one.
     """
 
     def __init__(
@@ -100,14 +105,23 @@ class ParameterStore:
         header: dict[str, Any] | None = None,
         snapshot_every: int | None = None,
         on_snapshot=None,
+        max_nonfinite: int | None = None,
     ):
         if on_nonfinite not in ("reject", "stop"):
             raise errors.ConfigError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
         if not isinstance(num_workers, int) or num_workers < 1:
             raise errors.ConfigError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
-        for name, value in (("checkpoint_every", checkpoint_every), ("snapshot_every", snapshot_every)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise errors.ConfigError(f"{name}={value!r} is invalid: use an int >= 1, or None.")
+        for name, value in (
+            ("checkpoint_every", checkpoint_every),
+            ("snapshot_every", snapshot_every),
+            ("max_nonfinite", max_nonfinite),
+        ):
+            if value is not None:
+                errors.positive_int(name, value)
+        # Consecutive non-finite pushes that stop the run: a diverged model pushes nothing else, forever.
+        self.max_nonfinite = max_nonfinite or 10 * num_workers
+        self._nonfinite_streak = 0
+        self.diverged = False  # the weights turned NaN/Inf: no checkpoint of them is written
         self.device = device or jax.devices("cpu")[0]
         self.num_workers, self.num_updates, self.on_nonfinite = num_workers, num_updates, on_nonfinite
         with jax.default_device(self.device):
@@ -129,6 +143,7 @@ class ParameterStore:
                     "(--resume) to continue that run, or choose another output folder."
                 )
             self._restore(self.checkpoint_path)
+        self._last_answer = _host_copy((self._state.params, self._state.model_state))
         self._structure = jax.tree.structure(state.params)
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self._stateful = model_state is not None
@@ -296,10 +311,18 @@ class ParameterStore:
         if self._writer.is_alive():
             self._writes.put(None)
             self._writer.join(timeout=600)
-            if self.checkpoint_path is not None:
-                self.save_checkpoint()
+            # The final checkpoint: not of NaN weights, and not over a failed write (the one on disk is the last good).
+            sound = not self.diverged and not isinstance(self.error, OSError) and not self._state_lost()
+            if self.checkpoint_path is not None and sound:
+                try:
+                    self.save_checkpoint()
+                except OSError as e:
+                    self.fail(OSError(f"writing the final checkpoint {self.checkpoint_path} failed: {e}"))
         if self._trace_file is not None and not self._trace_file.closed:
-            self._trace_file.close()
+            try:
+                self._trace_file.close()
+            except OSError as e:  # the last flush of a full disk
+                self.fail(OSError(f"writing {self._trace_file.name} failed: {e}"))
 
     def save_checkpoint(self) -> str:
         """Writes a consistent checkpoint now (atomically); returns its path."""
@@ -314,6 +337,17 @@ class ParameterStore:
         """A consistent snapshot of the whole server state (a host copy: the store updates its own in place)."""
         with self._lock:
             return _host_copy(self._state)
+
+    def final_weights(self) -> tuple[Any, Any]:
+        """``(params, model_state)`` on the host at the end of a run: the server's, or, if a failing exchange consumed
+        its donated state, the last weights it answered a push with."""
+        with self._lock:
+            if not self._state_lost():
+                return _host_copy((self._state.params, self._state.model_state))
+            return self._last_answer
+
+    def _state_lost(self) -> bool:
+        return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state))
 
     def status(self) -> dict[str, Any]:
         """The counts and how the store stands, as plain data (what a driver polls and a session ends with)."""
@@ -369,8 +403,22 @@ class ParameterStore:
         while (snapshot := self._writes.get()) is not None:
             try:
                 self._write(snapshot)
-            except Exception as e:  # a full disk must not kill training; the next write may succeed
-                log.error("checkpoint write to %s failed: %r", self.checkpoint_path, e)
+            except Exception as e:  # a full disk: stop now, while the previous checkpoint is still the latest
+                self.fail(
+                    OSError(
+                        f"writing the checkpoint {self.checkpoint_path} failed ({e}); the previous one "
+                        "stays valid: free space and resume"
+                    )
+                )
+
+    def fail(self, error: BaseException) -> None:
+        """Stops the store with ``error`` (the first error wins): nothing more is applied, workers are told why."""
+        log.error("the store stopped: %s", error)
+        with self._round_cv:
+            if self.error is None:
+                self.error = error
+        self._closed.set()
+        self.abort_rounds(f"the store stopped: {self.error}")
 
     def _restore(self, path: str) -> None:
         state, arrays, header = checkpoint.load(path, self._state)
@@ -395,56 +443,16 @@ class ParameterStore:
         return f"the store is closed after {self.applied} updates"
 
     def _apply_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            worker, payload, pulled_version, model_state, future = item
-            if self._closed.is_set() and (self.num_updates is not None and self.applied >= self.num_updates):
+        item = None
+        try:
+            while (item := self._queue.get()) is not None:
+                self._apply(*item)
+        except BaseException as e:  # a dead applier stops the run at once, with its error
+            self.fail(RuntimeError(f"the store's applier failed: {type(e).__name__}: {e}"))
+            if item is not None and not item[-1].done():  # the push it died on is answered too
                 with self._lock:
                     self.rejected += 1
-                    self.late += 1
-                future.set_exception(StoreClosed(self._closed_reason()))
-                continue
-            ms = model_state if self._stateful else None
-            finite = _all_finite((payload, ms))  # on the host, before anything reaches the server's state
-            if finite:
-                payload, ms = jax.device_put((payload, ms), self.device)
-            with self._lock:
-                if not finite:
-                    self.rejected += 1
-                    self.positions[worker] += 1
-                    message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
-                    if self.on_nonfinite == "stop":
-                        self.error = BadPush(message + "; stopping (on_nonfinite='stop')")
-                        self._closed.set()
-                    future.set_exception(BadPush(message))
-                    continue
-                self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
-                self.applied += 1
-                self.positions[worker] += 1
-                staleness = int(jax.device_get(staleness))
-                self.staleness_counts[staleness] += 1
-                record = {
-                    "worker": int(worker),
-                    "pulled_version": int(pulled_version),
-                    "applied_version": self.applied,
-                    "staleness": staleness,  # as the server step saw it
-                    "time": time.perf_counter() - self._t0,
-                }
-                if self._trace_file is not None:
-                    self._trace_file.write(json.dumps(record) + "\n")
-                    self._trace_file.flush()
-                # Host copies: the next exchange updates the state's buffers in place (donation).
-                result = (*_host_copy((self._state.params, self._state.model_state)), self.applied)
-                if self.num_updates is not None and self.applied >= self.num_updates:
-                    self._closed.set()
-                due = self.checkpoint_path is not None and self.checkpoint_every is not None
-                if due and self.applied % self.checkpoint_every == 0:
-                    _replace_latest(self._writes, self._snapshot())
-            future.set_result(result)
-            if self._on_snapshot is not None and self.snapshot_every and result[2] % self.snapshot_every == 0:
-                self._on_snapshot(result[2], result[0], result[1])
+                item[-1].set_exception(StoreClosed(self._closed_reason()))
         # Anything still queued after close is rejected, so pushes sent == applied + rejected.
         while True:
             try:
@@ -456,6 +464,80 @@ class ParameterStore:
                     self.rejected += 1
                     self.late += 1
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
+
+    def _apply(self, worker: int, payload: Any, pulled_version: int, model_state: Any, future: Future) -> None:
+        """One push: rejected (late, non-finite) or applied with the server step, traced, and answered."""
+        budget_reached = self.num_updates is not None and self.applied >= self.num_updates
+        if self._closed.is_set() and (budget_reached or self.error is not None):
+            with self._lock:
+                self.rejected += 1
+                self.late += 1
+            future.set_exception(StoreClosed(self._closed_reason()))
+            return
+        ms = model_state if self._stateful else None
+        if not _all_finite((payload, ms)):  # on the host, before anything reaches the server's state
+            future.set_exception(self._reject_nonfinite(worker, pulled_version))
+            return
+        payload, ms = jax.device_put((payload, ms), self.device)
+        with self._lock:
+            self._nonfinite_streak = 0
+            self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
+            self.applied += 1
+            self.positions[worker] += 1
+            staleness = int(jax.device_get(staleness))
+            self.staleness_counts[staleness] += 1
+            record = {
+                "worker": int(worker),
+                "workers": self.num_workers,  # so that Trace.load knows M even if the last worker never pushed
+                "pulled_version": int(pulled_version),
+                "applied_version": self.applied,
+                "staleness": staleness,  # as the server step saw it
+                "time": time.perf_counter() - self._t0,
+            }
+            if self._trace_file is not None:
+                try:
+                    self._trace_file.write(json.dumps(record) + "\n")
+                    self._trace_file.flush()
+                except OSError as e:
+                    self.fail(OSError(f"writing {self._trace_file.name} failed ({e}): free space and resume"))
+            # Host copies: the next exchange updates the state's buffers in place (donation).
+            result = (*_host_copy((self._state.params, self._state.model_state)), self.applied)
+            self._last_answer = result[:2]
+            if not _all_finite(result[0]):
+                self.diverged = True
+                self.fail(
+                    FloatingPointError(
+                        f"the weights turned NaN or Inf at update {self.applied}: the run diverged (lower the learning "
+                        "rate); the last checkpoint holds the last finite weights"
+                    )
+                )
+            elif self.num_updates is not None and self.applied >= self.num_updates:
+                self._closed.set()
+            due = self.checkpoint_path is not None and self.checkpoint_every is not None and not self.diverged
+            if due and self.applied % self.checkpoint_every == 0:
+                _replace_latest(self._writes, self._snapshot())
+        future.set_result(result)
+        if self._on_snapshot is not None and self.snapshot_every and result[2] % self.snapshot_every == 0:
+            self._on_snapshot(result[2], result[0], result[1])
+
+    def _reject_nonfinite(self, worker: int, pulled_version: int) -> BadPush:
+        """Counts a NaN/Inf push (its minibatches are used up) and stops the store on policy or after a streak."""
+        with self._lock:
+            self.rejected += 1
+            self.positions[worker] += 1
+            self._nonfinite_streak += 1
+            streak = self._nonfinite_streak
+        message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
+        if self.on_nonfinite == "stop":
+            self.fail(BadPush(message + "; stopping (on_nonfinite='stop')"))
+        elif streak >= self.max_nonfinite:
+            self.fail(
+                BadPush(
+                    f"{streak} pushes in a row held NaN or Inf: the run diverged (lower the learning rate, check the "
+                    f"data); stopped after max_nonfinite={self.max_nonfinite} (--max-nonfinite)"
+                )
+            )
+        return BadPush(message)
 
 
 def _host_copy(tree: Any) -> Any:
@@ -475,15 +557,28 @@ def _replace_latest(q: queue.Queue, item: Any) -> None:
 
 
 def _open_trace(path: str, keep: int):
-    """Opens the trace for appending after its first ``keep`` lines (a resumed run drops what came after its
-    checkpoint); ``keep=0`` starts a fresh file."""
+    """Opens the trace for appending after its first ``keep`` records (a resumed run drops what came after its
+    checkpoint; a half-written last line, from a kill mid-write, is cut); ``keep=0`` starts a fresh file.
+
+    Raises:
+      ConfigError: on a resume, when the trace is missing or holds fewer whole records than the checkpoint's updates:
+        the run could no longer be replayed.
+    """
     lines: list[str] = []
-    if keep and os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()[:keep]
+    if keep:
+        way_out = (
+            f"the run can no longer be replayed past that. Restore {os.path.basename(path)} from a copy, or "
+            "start a new run in another folder (--out)"
+        )
+        if not os.path.exists(path):
+            raise errors.ConfigError(f"{path} is missing but the checkpoint is at update {keep}: {way_out}.")
+        with open(path, "rb") as f:
+            raw = f.read()
+        whole = raw[: raw.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines(keepends=True)
+        lines = whole[:keep]
         if len(lines) < keep:
             raise errors.ConfigError(
-                f"{path} holds {len(lines)} records but the checkpoint is at update {keep}: it is damaged."
+                f"{path} holds {len(lines)} whole records but the checkpoint is at update {keep}: {way_out}."
             )
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

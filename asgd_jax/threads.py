@@ -86,6 +86,7 @@ class _Session:
             header=header,
             snapshot_every=config.eval_interval() if eval_fn else None,
             on_snapshot=None if self.evaluator is None else self.evaluator.submit,
+            max_nonfinite=config.max_nonfinite,
         )
         self.metrics.open(
             config.out,
@@ -228,10 +229,10 @@ class _Session:
             for loader in self.loaders:
                 loader.close()
         seconds = time.perf_counter() - start
-        final = store.state()
+        params, model_state = store.final_weights()
         outcome = session.Outcome(
-            params=jax.device_get(final.params),
-            model_state=jax.device_get(final.model_state),
+            params=params,
+            model_state=model_state,
             status=store.status(),
             failures=self.failures,
             seconds=seconds,
@@ -275,6 +276,8 @@ class _Session:
                     next_log += self.c.log_every
                     record = self._record(time.perf_counter() - start)
                     self.metrics.write(record)
+                    if self.metrics.error is not None:  # a full disk: stop now, the checkpoint is still good
+                        self.store.fail(OSError(f"writing metrics.jsonl failed: {self.metrics.error}"))
                     bar.update(self.store.applied - bar.n)
                     if record.get("loss") is not None:
                         bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)

@@ -27,9 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
-from asgd_jax import errors, exchange, session
+from asgd_jax import errors, exchange, rules, session
 from asgd_jax.session import TrainConfig, TrainResult, WorkerStats
 
 __all__ = ["TrainConfig", "TrainResult", "WorkerStats", "train"]
@@ -90,12 +91,18 @@ def train(
         from asgd_jax.ray_backend import require_ray
 
         require_ray()  # fails at once, with the install command
+    config = config.replace(resume=_resume_decision(config))
+    # Everything that changes the weights: a resume with any of it different is refused (the trace would not replay).
     header = {
         "mode": ex.mode,
         "n_sync": ex.n_sync,
         "batch_size": ex.batch_size,
         "push": ex.push,
         "key": exchange.key_fingerprint(config.key()),
+        "local_lr": config.local_lr,
+        "devices_per_worker": config.devices_per_worker,
+        "rule": rules.fingerprint(rule, params),
+        "data": _data_fingerprint(data),
     }
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)
     main = config.replace(num_updates=config.num_updates - config.warm_start_steps, warm_start_steps=0)
@@ -123,6 +130,45 @@ def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devi
         warm_start_steps=0,
         slowdown={},
         out=None if config.out is None else os.path.join(config.out, "warmup"),
+        resume="auto" if config.resume else False,
     )
     warm = train(loss, rule, params, data, warm_config, model_state=model_state, devices=devices)
     return warm.params, (warm.model_state if model_state is not None else None)
+
+
+def _resume_decision(config: TrainConfig) -> bool:
+    """Checks the output folder (a folder that can be written) and turns ``resume`` into a yes or no."""
+    if config.out is None:
+        return False
+    if os.path.exists(config.out) and not os.path.isdir(config.out):
+        raise errors.ConfigError(f"out={config.out!r} (--out) is a file: give a folder for the run.")
+    try:
+        os.makedirs(config.out, exist_ok=True)
+        probe = os.path.join(config.out, ".asgd_jax_write_probe")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise errors.ConfigError(
+            f"out={config.out!r} (--out) cannot be written ({e.strerror}): choose another folder."
+        ) from None
+    exists = os.path.exists(os.path.join(config.out, session.CHECKPOINT))
+    warming = os.path.exists(os.path.join(config.out, "warmup", session.CHECKPOINT))  # killed in the warm start
+    if config.resume is True and not exists and not warming:
+        raise errors.ConfigError(
+            f"resume=True (--resume) but {config.out} holds no checkpoint: check --out, or pass --resume auto to start "
+            "a fresh run when there is none."
+        )
+    return exists if config.resume == "auto" else bool(config.resume)
+
+
+def _data_fingerprint(data: Any) -> str:
+    """A short hash of the training data's shapes, dtypes and a few rows (a resume on other data is refused)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(data):
+        leaf = np.asarray(leaf)
+        digest.update(f"{leaf.shape}{leaf.dtype}".encode())
+        digest.update(np.ascontiguousarray(leaf[:4]).tobytes() + np.ascontiguousarray(leaf[-4:]).tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,377 @@
+"""Faults, injected: nothing hangs, nothing is lost silently, and every bad input gets one clear line.
+
+Divergence (a huge learning rate, NaN data), a full disk (a process whose file-size limit makes writes fail, as a full
+disk does), an applier that dies (a rule that raises on the host), truncated, missing and corrupted files, timeouts,
+and a catalogue of bad flags and arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.problems import DATA, W0, lsq_loss
+
+import asgd_jax
+from asgd_jax import checkpoint
+from asgd_jax.cli import main
+from asgd_jax.errors import ConfigError, RunStopped
+from asgd_jax.trainer import TrainConfig, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GUARD = 300.0  # a run that hangs would end here (as a timeout) and fail the test's assertions, never block the suite
+
+
+def _train(rule, config, data=DATA, **kw):
+    return train(lsq_loss, rule, W0, data, config, devices=jax.devices()[:2], **kw)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Divergence
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
+    config = TrainConfig(
+        workers=2,
+        num_updates=10_000,
+        batch_size=8,
+        out=str(tmp_path),
+        checkpoint_every=1,
+        timeout=GUARD,
+        progress=False,
+    )
+    with pytest.raises(RunStopped, match="weights turned NaN or Inf at update"):
+        _train(asgd_jax.asgd(1e12), config)
+    saved = np.load(tmp_path / "checkpoint.npz")
+    leaves = [saved[k] for k in saved.files if k.startswith("leaf_")]
+    assert all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.floating))  # the last good state
+    assert not (tmp_path / "model.npz").exists()  # NaN weights are never saved as a model
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ended"] == "stopped" and "diverged" in summary["error"]
+
+
+def test_a_run_whose_every_push_is_nan_stops_after_max_nonfinite(tmp_path):
+    poisoned = {"x": np.full_like(DATA["x"], np.nan), "y": DATA["y"]}
+    config = TrainConfig(workers=2, num_updates=100, batch_size=8, max_nonfinite=6, timeout=GUARD, progress=False)
+    with pytest.raises(RunStopped, match=r"6 pushes in a row held NaN or Inf.*\(--max-nonfinite\)"):
+        _train(asgd_jax.asgd(0.1), config, data=poisoned)
+
+
+def test_the_cli_reports_divergence_in_one_line_and_exits_non_zero(tmp_path, capsys):
+    argv = [
+        "train",
+        "--dataset",
+        "digits",
+        "--workers",
+        "2",
+        "--num-updates",
+        "2000",
+        "--lr",
+        "1e9",
+        "--batch-size",
+        "16",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "training stopped at update" in err and "diverged" in err and "Traceback" not in err
+
+
+def test_the_simulator_says_when_its_loss_turns_nan():
+    poisoned = {"x": DATA["x"].copy(), "y": DATA["y"]}
+    poisoned["x"][5] = np.nan
+    run = lambda **kw: asgd_jax.simulate(
+        lsq_loss,
+        asgd_jax.asgd(0.05),
+        W0,
+        poisoned,
+        batch_size=8,
+        num_updates=40,
+        delays=asgd_jax.delays.Workers(2),
+        progress=False,
+        **kw,
+    )
+    with pytest.warns(RuntimeWarning, match="NaN or Inf from update"):
+        run()
+    with pytest.raises(FloatingPointError, match="on_nonfinite='stop'"):
+        run(on_nonfinite="stop")
+    with pytest.raises(ConfigError, match="params hold NaN"):
+        asgd_jax.simulate(
+            lsq_loss, asgd_jax.asgd(0.05), np.full(4, np.nan, np.float32), DATA, batch_size=8, progress=False
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A full disk, a dead applier, a timeout
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _python(script: str, fsize: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR="",
+    )
+    prologue = ""
+    if fsize is not None:  # every file this process writes is capped: a write past it fails, as on a full disk
+        prologue = (
+            f"import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({fsize}, {fsize}))\n"
+        )
+    return subprocess.run(
+        [sys.executable, "-c", prologue + textwrap.dedent(script)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("fsize", [2_500, 6_000], ids=["full before the first checkpoint", "full mid-run"])
+def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_checkpoint(tmp_path, fsize):
+    run = _python(
+        f"""
+        import sys; sys.path.insert(0, "tests")
+        import jax, asgd_jax
+        from helpers.problems import DATA, W0, lsq_loss
+        from asgd_jax.errors import RunStopped
+        from asgd_jax.trainer import TrainConfig, train
+        config = TrainConfig(workers=2, num_updates=2000, batch_size=8, out={str(tmp_path)!r}, checkpoint_every=10,
+                             log_every=0.05, timeout={GUARD}, progress=False)
+        try:
+            train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config)
+        except RunStopped as e:
+            print("STOPPED", e)
+    """,
+        fsize=fsize,
+    )
+    assert "STOPPED" in run.stdout, run.stdout + run.stderr
+    assert "failed" in run.stdout and ("File too large" in run.stdout or "free space" in run.stdout)
+    if (tmp_path / "checkpoint.npz").exists():  # whatever is there is whole: the atomic write kept the previous one
+        saved = np.load(tmp_path / "checkpoint.npz")
+        assert json.loads(bytes(saved["__header__"]).decode())["applied"] >= 10
+
+
+def test_a_dead_applier_stops_the_run_at_once_with_its_error():
+    calls = {"n": 0}
+
+    def explode(x):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the warm-up compiles and runs once; a few pushes go through
+            raise RuntimeError("injected fault in the applier")
+        return x
+
+    base = asgd_jax.asgd(0.05)
+
+    def update(g, state, params=None, **extra):
+        g = jax.tree.map(lambda x: jax.pure_callback(explode, x, x), g)
+        return base.update(g, state, params, **extra)
+
+    rule = asgd_jax.rules.optax.GradientTransformationExtraArgs(base.init, update)
+    config = TrainConfig(workers=2, num_updates=10_000, batch_size=8, timeout=GUARD, progress=False)
+    with pytest.raises(RunStopped, match=r"(?s)applier failed: .*injected fault in the applier"):
+        _train(rule, config)
+
+
+def test_a_run_cut_short_by_its_timeout_says_so(tmp_path, capsys):
+    config = TrainConfig(
+        workers=2, num_updates=10**7, batch_size=8, out=str(tmp_path / "api"), timeout=1.0, progress=False
+    )
+    result = _train(asgd_jax.asgd(0.05), config)
+    assert result.ended == "timeout" and 0 < result.pushes_applied < 10**7
+    assert json.loads((tmp_path / "api" / "summary.json").read_text())["ended"] == "timeout"
+    argv = [
+        "train",
+        "--dataset",
+        "digits",
+        "--workers",
+        "2",
+        "--num-updates",
+        "10000000",
+        "--timeout",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "cli"),
+    ]
+    assert main(argv) == 3
+    assert "stopped by --timeout 1 s after" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resume: what makes the trace replay is checked
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _base(tmp_path, **kw):
+    values = dict(
+        workers=2,
+        num_updates=20,
+        batch_size=8,
+        seed=3,
+        out=str(tmp_path),
+        checkpoint_every=5,
+        progress=False,
+        timeout=GUARD,
+    )
+    return TrainConfig(**{**values, **kw})
+
+
+def test_a_half_written_trace_line_is_cut_on_resume_and_the_trace_still_replays(tmp_path):
+    rule = lambda: asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+    _train(rule(), _base(tmp_path))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(trace.read_text() + '{"worker": 1, "pulled_ver')  # killed mid-write of update 21
+    result = _train(rule(), _base(tmp_path, num_updates=30, resume=True))
+    assert result.resumed_from == 20 and result.pushes_applied == 30
+    loaded = asgd_jax.delays.Trace.load(trace)
+    assert len(loaded) == 30 and loaded.num == 2
+    replay = asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=loaded,
+        batch_size=8,
+        num_updates=30,
+        key=jax.random.key(3),
+        progress=False,
+    )
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_without_a_whole_trace_or_with_other_settings_is_refused(tmp_path):
+    _train(asgd_jax.asgd(0.05), _base(tmp_path))
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "trace.jsonl").write_text("".join(lines[:15]))
+    with pytest.raises(ConfigError, match="holds 15 whole records but the checkpoint is at update 20"):
+        _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True))
+    (tmp_path / "trace.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"trace\.jsonl is missing"):
+        _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True))
+    (tmp_path / "trace.jsonl").write_text("".join(lines))
+    with pytest.raises(ConfigError, match="rule: checkpoint"):  # another learning rate: another rule
+        _train(asgd_jax.asgd(0.5), _base(tmp_path, num_updates=30, resume=True))
+    with pytest.raises(ConfigError, match="local_lr"):
+        _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True, n_sync=1, local_lr=0.1))
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        _train(asgd_jax.asgd(0.05), _base(tmp_path / "elsewhere", resume=True))
+    fresh = _train(asgd_jax.asgd(0.05), _base(tmp_path / "elsewhere", resume="auto"))  # nothing there: it starts
+    assert fresh.resumed_from == 0 and fresh.pushes_applied == 20
+
+
+def test_the_trace_records_the_worker_count_for_a_worker_that_never_pushed(tmp_path):
+    rule = lambda: asgd_jax.asgd(0.05)
+    config = TrainConfig(
+        workers=3,
+        num_updates=24,
+        batch_size=8,
+        seed=3,
+        out=str(tmp_path),
+        slowdown={2: 500.0},
+        progress=False,
+        timeout=GUARD,
+    )
+    result = train(lsq_loss, rule(), W0, DATA, config, devices=jax.devices()[:3])
+    trace = asgd_jax.delays.Trace.load(result.trace_path)  # the README's recipe, without num=
+    assert trace.num == 3
+    replay = asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W0),
+        DATA,
+        delays=trace,
+        batch_size=8,
+        num_updates=24,
+        key=jax.random.key(3),
+        progress=False,
+    )
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "bit-flipped", "random bytes"])
+def test_a_damaged_checkpoint_is_reported_in_one_line(tmp_path, damage, capsys):
+    _train(asgd_jax.asgd(0.05), _base(tmp_path))
+    path = tmp_path / "checkpoint.npz"
+    raw = path.read_bytes()
+    damaged = {
+        "truncated": raw[: len(raw) // 2],
+        "empty": b"",
+        "bit-flipped": raw[:200] + bytes([raw[200] ^ 0xFF]) + raw[201:],
+        "random bytes": np.random.default_rng(0).bytes(len(raw)),
+    }[damage]
+    path.write_bytes(damaged)
+    with pytest.raises(ConfigError, match=r"checkpoint\.npz is not a readable checkpoint"):
+        _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True))
+    argv = ["train", "--dataset", "digits", "--warm-start", str(path), "--no-progress", "--out", str(tmp_path / "w")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not a readable checkpoint" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad input: one line, the flag or argument named, exit status 2
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "0"], r"workers=0 \(--workers\) is invalid"),
+        (["--mode", "sync", "--n-sync", "2"], r"\(--n-sync\).*\(--local-lr\)"),
+        (["--timeout", "0"], r"timeout=0.0 \(--timeout\) is invalid"),
+        (["--checkpoint-every", "0"], r"checkpoint_every=0 \(--checkpoint-every\) is invalid"),
+        (["--local-lr", "-1"], r"local_lr=-1.0 \(--local-lr\) is invalid"),
+        (["--lr", "inf"], r"learning_rate=inf is invalid"),
+        (["--max-nonfinite", "0"], r"max_nonfinite=0 \(--max-nonfinite\) is invalid"),
+        (["--slowdown", "fast"], r"--slowdown 'fast' is invalid"),
+        (["--rule", "asgd", "--lam", "0.5"], r"--rule"),
+    ],
+)
+def test_bad_flags_get_one_line_naming_the_flag(tmp_path, capsys, flags, message):
+    assert main(["train", *flags, "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asgd-jax: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_output_folders_that_cannot_hold_a_run_are_refused(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    for out, message in ((a_file, "is a file"), (a_file / "below", "cannot be written")):
+        assert main(["train", "--no-progress", "--num-updates", "5", "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["train", "--no-progress", "--resume", "--out", str(tmp_path / "nothing_here")]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_bad_python_arguments_raise_naming_them():
+    with pytest.raises(ConfigError, match="learning_rate=inf"):
+        asgd_jax.asgd(float("inf"))
+    with pytest.raises(ConfigError, match=r"learning_rate=.0\.1."):
+        asgd_jax.asgd("0.1")
+
+
+def test_files_that_are_not_traces_or_models_are_named(tmp_path):
+    binary = tmp_path / "trace.jsonl"
+    binary.write_bytes(np.random.default_rng(0).bytes(256))
+    with pytest.raises(ConfigError, match=r"trace\.jsonl is not a readable trace"):
+        asgd_jax.delays.Trace.load(binary)
+    garbage = tmp_path / "model.npz"
+    garbage.write_bytes(b"PK\x03\x04" + np.random.default_rng(1).bytes(100))
+    with pytest.raises(ConfigError, match=r"model\.npz is not a readable checkpoint"):
+        checkpoint.load_model(garbage, W0)
