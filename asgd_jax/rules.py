@@ -32,12 +32,19 @@ from asgd_jax import errors
 
 __all__ = [
     "RULES",
+    "DanaState",
+    "DelayedNesterovState",
+    "GapAwareState",
+    "PullRule",
     "ScaleByDelayCompensationState",
     "asgd",
     "dc_asgd",
     "delay_adaptive_sgd",
+    "dana",
+    "delayed_nesterov",
     "drop_stale",
     "fingerprint",
+    "gap_aware",
     "get",
     "defaults",
     "names",
@@ -433,6 +440,280 @@ def drop_stale(max_staleness: int | jax.Array) -> optax.GradientTransformationEx
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Staleness mitigation since DC-ASGD: Gap-Aware, Delayed Nesterov, DANA (a pull-side rule)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+    """The learning rate at update ``count`` (a float or an optax schedule)."""
+    return jnp.asarray(learning_rate(count) if callable(learning_rate) else learning_rate, jnp.float32)
+
+
+class GapAwareState(NamedTuple):
+    """State of :func:`gap_aware`: the update count, the running mean square of the update direction ``r``, the
+    momentum trace (``None`` without momentum) and the largest learning rate seen so far."""
+
+    count: jax.Array
+    mean_square: optax.Updates
+    trace: optax.Updates | None
+    max_rate: jax.Array
+
+
+def gap_aware(
+    learning_rate: ScalarOrSchedule,
+    *,
+    momentum: float | jax.Array | None = None,
+    decay: float | jax.Array = 0.999,
+    eps: float | jax.Array = 1e-8,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Gap-Aware: penalises a stale gradient elementwise by how far the weights moved while it was computed.
+
+    .. math::
+        r_t = \beta r_{t-1} + (1 - \beta)\, u^2, \quad
+        C = \eta_{\max}\left(\sqrt{r_t / (1 - \beta^t)} + \epsilon\right), \quad
+        G = 1 + \frac{|w_t - w_{bak}(m)|}{C}, \quad \tilde g = g / G
+
+    then the plain (momentum) SGD step with :math:`\tilde g`: :math:`v \leftarrow \gamma v + \tilde g`,
+    :math:`w \leftarrow w - \eta v`. ``u`` is the momentum trace before this step (the gradient without momentum);
+    ``C`` is the size of one typical full step (the largest learning rate so far times the bias-corrected RMS of the
+    update direction), so :math:`G - 1` counts the typical steps the weights moved while the gradient was in flight.
+    :math:`G \ge 1` never amplifies. The first update is not penalised (with momentum its ``r`` would be 0 and ``C``
+    vanish; the authors' code skips it too).
+
+    Args:
+      learning_rate: a float or an optax schedule over server updates.
+      momentum: optional heavy-ball momentum in [0, 1); the penalty comes first, as in the authors' code.
+      decay: :math:`\beta` of the running mean square (0.999, no new tunable).
+      eps: :math:`\epsilon` (1e-8).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose ``update`` requires ``stale_params``.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.rules.gap_aware(0.1)
+      >>> w, g = jnp.array([1.0, 1.0]), jnp.array([2.0, 2.0])
+      >>> state = rule.init(w)
+      >>> _, state = rule.update(g, state, w, stale_params=w)               # update 1: never penalised
+      >>> # A typical step is 0.1 * 2 = 0.2; the second weight moved by one while g was in flight: G = 2.
+      >>> [round(x, 4) for x in rule.update(g, state, w, stale_params=jnp.array([1.0, 0.8]))[0].tolist()]
+      [-0.2, -0.1]
+
+    References:
+      Barkai, Hakimi, Schuster, "Gap-Aware Mitigation of Gradient Staleness", ICLR 2020; the rule as in the authors'
+      FTPipe code (``sgd_gap_aware.py``: C = max lr x bias-corrected RMS of the update direction, not a mean of past
+      steps; weight decay is not offered here).
+    """
+    if momentum is not None:
+        _check_decay("momentum", momentum)
+    _check_decay("decay", decay)
+    _check_positive("eps", eps)
+    _check_learning_rate(learning_rate)
+
+    def init_fn(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        trace = None if momentum is None else jax.tree.map(jnp.zeros_like, params)
+        return GapAwareState(jnp.zeros((), jnp.int32), zeros, trace, jnp.zeros((), jnp.float32))
+
+    def update_fn(updates, state, params=None, *, stale_params, **extra_args):
+        del extra_args
+        count = optax.safe_increment(state.count)
+        rate = _rate(learning_rate, state.count)
+        max_rate = jnp.maximum(state.max_rate, rate)
+        direction = updates if state.trace is None else state.trace
+        mean_square = jax.tree.map(lambda r, u: decay * r + (1.0 - decay) * u * u, state.mean_square, direction)
+        correction = 1.0 - jnp.asarray(decay, jnp.float32) ** count.astype(jnp.float32)
+
+        def penalise(g, r, w, wb):
+            scale = max_rate * (jnp.sqrt(r / correction) + eps)
+            gap = jnp.where(count > 1, 1.0 + jnp.abs(w - wb) / scale, 1.0)
+            return (g / gap).astype(g.dtype)
+
+        penalised = jax.tree.map(penalise, updates, mean_square, params, stale_params)
+        if state.trace is None:
+            trace, step = None, penalised
+        else:
+            trace = jax.tree.map(lambda v, g: momentum * v + g, state.trace, penalised)
+            step = trace
+        new = jax.tree.map(lambda s: (-rate * s).astype(s.dtype), step)
+        return new, GapAwareState(count, mean_square, trace, max_rate)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class DelayedNesterovState(NamedTuple):
+    """State of :func:`delayed_nesterov`: pushes so far, the momentum ``m`` and the buffered sum of pushes."""
+
+    count: jax.Array
+    momentum: optax.Updates
+    buffer: optax.Updates
+
+
+def delayed_nesterov(
+    learning_rate: ScalarOrSchedule,
+    *,
+    buffer_size: int | jax.Array = 4,
+    momentum: float | jax.Array = 0.9,
+    activation: float | jax.Array = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Delayed Nesterov: plain steps on every push, the momentum step only every ``buffer_size`` pushes.
+
+    For local-SGD workers that push a parameter delta (``push="delta"``, ``n_sync > 1``), with :math:`N` the buffer
+    size, :math:`\beta` the momentum, :math:`c \in [0, 1/N]` the momentum activation and :math:`\epsilon` the
+    learning rate, a push :math:`g_t` does :math:`\Delta \leftarrow \Delta + g_t` and
+
+    .. math::
+        t \bmod N = 0:\; m \leftarrow \beta m + \Delta / N,\;
+            w \leftarrow w - \epsilon\left[(1 - cN + c)\,\beta m + g_t / N\right],\; \Delta \leftarrow 0 \\
+        \text{else:}\; w \leftarrow w - \epsilon\left[c\,\beta m + g_t / N\right]
+
+    Over N pushes (c = 0) that is one Nesterov step on the mean of N pushes, as synchronous DiLoCo with N workers would
+    take, while every push still moves the weights at once. N = 1, c = 0 is Nesterov SGD.
+
+    Args:
+      learning_rate: :math:`\epsilon`, the outer learning rate (a float or a schedule).
+      buffer_size: N >= 1 pushes per momentum step (may be traced); the authors buffer as many as there are workers.
+      momentum: :math:`\beta` in [0, 1).
+      activation: :math:`c` in [0, 1/N] (0, the default of the public reimplementations).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.rules.delayed_nesterov(1.0, buffer_size=2, momentum=0.5)
+      >>> w, state = jnp.zeros(1), rule.init(jnp.zeros(1))
+      >>> u1, state = rule.update(jnp.array([2.0]), state, w)   # not a flush: w - g/N
+      >>> u2, state = rule.update(jnp.array([4.0]), state, w)   # flush: m = 0.5*0 + (2+4)/2 = 3; w - (0.5*3 + 4/2)
+      >>> u1, u2
+      (Array([-1.], dtype=float32), Array([-3.5], dtype=float32))
+
+    References:
+      Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato, "Asynchronous Local-SGD Training for Language
+      Modeling", 2024 (Delayed Nesterov, as reimplemented in utnslab/halos ``opt.py``).
+    """
+    _check_positive("buffer_size", buffer_size)
+    _check_decay("momentum", momentum)
+    _check_nonnegative("activation", activation)
+    _check_learning_rate(learning_rate)
+
+    def init_fn(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+        return DelayedNesterovState(jnp.zeros((), jnp.int32), zeros(), zeros())
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        count = optax.safe_increment(state.count)
+        rate = _rate(learning_rate, state.count)
+        n = jnp.asarray(buffer_size, jnp.float32)
+        flush = count % jnp.asarray(buffer_size, jnp.int32) == 0
+        c = jnp.asarray(activation, jnp.float32)
+        buffer = jax.tree.map(jnp.add, state.buffer, updates)
+        m = jax.tree.map(lambda m, d: jnp.where(flush, momentum * m + d / n, m), state.momentum, buffer)
+        weight = jnp.where(flush, 1.0 - c * n + c, c) * momentum
+
+        def step(m, g):
+            return (-rate * (weight * m + g / n)).astype(g.dtype)
+
+        new = jax.tree.map(step, m, updates)
+        buffer = jax.tree.map(lambda d: jnp.where(flush, jnp.zeros_like(d), d), buffer)
+        return new, DelayedNesterovState(count, m, buffer)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class PullRule(NamedTuple):
+    """An update rule that also decides what a worker pulls: ``pull(params, state, worker) -> the weights sent``.
+
+    The server applies it in its pull and keeps what it sent as the worker's backup, so the worker's gradient and the
+    rule's ``stale_params`` are at exactly those weights; the simulator, the store and the Ray backend share it, and a
+    recorded trace replays (the pull is a pure function of the server's state).
+    """
+
+    init: Callable
+    update: Callable
+    pull: Callable
+
+
+class DanaState(NamedTuple):
+    """State of :func:`dana`: the update count, every worker's momentum ``v`` (a leading axis of ``num_workers``)
+    and their sum ``S``."""
+
+    count: jax.Array
+    velocity: optax.Updates
+    velocity_sum: optax.Updates
+
+
+def dana(
+    learning_rate: ScalarOrSchedule,
+    *,
+    num_workers: int,
+    momentum: float | jax.Array = 0.9,
+    lam: float | jax.Array = 0.0,
+) -> PullRule:
+    r"""DANA: momentum per worker, and every worker pulls a look-ahead of where the weights will be.
+
+    Push of :math:`g` by worker i (computed at the weights :math:`\hat w_i` it was sent; DANA-DC first compensates it
+    against them, :math:`g \leftarrow g + \lambda\, g \odot g \odot (w - \hat w_i)`):
+
+    .. math::
+        v_i \leftarrow \gamma v_i + g, \quad w \leftarrow w - \eta\, v_i, \quad S \leftarrow S + v_i^{new} - v_i^{old}
+
+    Pull by worker i: :math:`\hat w_i = w - \eta \gamma S` with :math:`S = \sum_j v_j`, the step every worker's
+    momentum will still take before this worker's gradient lands (NAG's look-ahead, for all workers at once).
+
+    Args:
+      learning_rate: :math:`\eta` (a float or a schedule; the look-ahead uses the current one).
+      num_workers: M (static: it shapes the per-worker momenta).
+      momentum: :math:`\gamma` in [0, 1) (the paper: 0.9).
+      lam: DANA-DC's :math:`\lambda` >= 0 (0: DANA-Zero; the authors' simulator uses 2 for DANA-DC).
+
+    Returns:
+      A :class:`PullRule` whose ``update`` requires ``worker`` (and ``stale_params`` with ``lam``).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.rules.dana(0.1, num_workers=2, momentum=0.5)
+      >>> w, state = jnp.ones(1), rule.init(jnp.ones(1))
+      >>> u, state = rule.update(jnp.array([2.0]), state, w, worker=0, stale_params=w)
+      >>> u, rule.pull(w + u, state, 1)   # v_0 = 2: w - 0.2; the look-ahead: w - 0.1 * 0.5 * (2 + 0)
+      (Array([-0.2], dtype=float32), Array([0.7], dtype=float32))
+
+    References:
+      Hakimi, Barkai, Gabel, Schuster, "Taming Momentum in a Distributed Asynchronous Environment", 2019 (DANA-Zero;
+      DANA-DC as in the authors' simulator: a constant lambda, against the look-ahead the worker used).
+    """
+    _check_num_workers("num_workers", num_workers, static=True)
+    _check_decay("momentum", momentum)
+    _check_nonnegative("lam", lam)
+    _check_learning_rate(learning_rate)
+
+    def init_fn(params):
+        stack = jax.tree.map(lambda p: jnp.zeros((num_workers, *jnp.shape(p)), jnp.result_type(p)), params)
+        return DanaState(jnp.zeros((), jnp.int32), stack, jax.tree.map(jnp.zeros_like, params))
+
+    def update_fn(updates, state, params=None, *, worker, stale_params=None, **extra_args):
+        del extra_args
+        if stale_params is not None:  # DANA-DC (lam = 0 leaves the gradient as it is)
+            updates = jax.tree.map(
+                lambda g, w, wb: (g + lam * g * g * (w - wb)).astype(g.dtype), updates, params, stale_params
+            )
+        take = lambda v: jax.lax.dynamic_index_in_dim(v, worker, axis=0, keepdims=False)
+        put = lambda v, x: jax.lax.dynamic_update_index_in_dim(v, x.astype(v.dtype), worker, axis=0)
+        old = jax.tree.map(take, state.velocity)
+        new = jax.tree.map(lambda v, g: momentum * v + g, old, updates)
+        velocity = jax.tree.map(put, state.velocity, new)
+        velocity_sum = jax.tree.map(lambda s, n, o: s + n - o, state.velocity_sum, new, old)
+        rate = _rate(learning_rate, state.count)
+        steps = jax.tree.map(lambda v, g: (-rate * v).astype(g.dtype), new, updates)
+        return steps, DanaState(optax.safe_increment(state.count), velocity, velocity_sum)
+
+    def pull_fn(params, state, worker):
+        del worker  # every worker gets the same look-ahead (DANA-Zero's S sums all momenta)
+        lead = _rate(learning_rate, state.count) * momentum
+        return jax.tree.map(lambda w, s: (w - lead * s).astype(w.dtype), params, state.velocity_sum)
+
+    return PullRule(init_fn, update_fn, pull_fn)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The registry: every rule by name, for the command line, the studies and the notebooks.
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -484,6 +765,9 @@ RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
     "dc_asgd_a": _named_dc_asgd_a,
     "staleness_aware": staleness_aware_sgd,
     "delay_adaptive": delay_adaptive_sgd,
+    "gap_aware": gap_aware,
+    "delayed_nesterov": delayed_nesterov,
+    "dana": dana,
 }
 """Every rule by name: ``factory(learning_rate, **hyperparameters)``; :func:`get` builds one, :func:`register` adds
 one."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["ServerState", "exchange", "init", "pull", "push", "snapshot", "snapshot_version"]
+__all__ = ["ServerState", "exchange", "has_pull", "init", "pull", "push", "sent", "snapshot", "snapshot_version"]
 
 
 class ServerState(NamedTuple):
@@ -49,11 +49,22 @@ def _stack(tree: Any, n: int) -> Any:
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))).astype(jnp.result_type(x)), tree)
 
 
+def has_pull(rule: Any) -> bool:
+    """Whether ``rule`` also transforms pulls (an :class:`asgd_jax.rules.PullRule`, e.g. DANA)."""
+    return callable(getattr(rule, "pull", None))
+
+
+def sent(rule: Any, params: Any, opt_state: Any, slot: jax.Array) -> Any:
+    """What a pull by ``slot`` hands out: the weights, or the rule's pull transform of them."""
+    return rule.pull(params, opt_state, slot) if has_pull(rule) else params
+
+
 def init(rule: optax.GradientTransformation, params: Any, num_slots: int, model_state: Any = None) -> ServerState:
-    """The server at version 0: every backup holds w_0.
+    """The server at version 0: every backup holds what a pull of w_0 sends (w_0 itself, unless the rule transforms
+    pulls).
 
     Args:
-      rule: the update rule (any optax transform).
+      rule: the update rule (any optax transform, or a :class:`asgd_jax.rules.PullRule`).
       params: the initial weights w_0.
       num_slots: how many backups to keep (the number of workers, or ``tau + 1`` for the fixed-delay models).
       model_state: initial non-trained collections, or ``None`` / ``{}`` when the model has none.
@@ -61,11 +72,18 @@ def init(rule: optax.GradientTransformation, params: Any, num_slots: int, model_
     model_state = {} if model_state is None else model_state
     # Copies: the engines donate the state to their programs, which must never delete the caller's arrays.
     params, model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), (params, model_state))
+    opt_state = rule.init(params)
+    if has_pull(rule):
+        slots = jnp.arange(num_slots, dtype=jnp.int32)
+        backups = jax.vmap(lambda s: sent(rule, params, opt_state, s))(slots)
+        backups = jax.tree.map(lambda b, p: b.astype(jnp.result_type(p)), backups, params)
+    else:
+        backups = _stack(params, num_slots)
     return ServerState(
         params=params,
-        opt_state=rule.init(params),
+        opt_state=opt_state,
         model_state=model_state,
-        backup_params=_stack(params, num_slots),
+        backup_params=backups,
         backup_model_state=_stack(model_state, num_slots),
         backup_version=jnp.zeros((num_slots,), jnp.int32),
         version=jnp.zeros((), jnp.int32),
@@ -92,8 +110,9 @@ def snapshot_version(state: ServerState, slot: jax.Array) -> jax.Array:
     return _get(state.backup_version, slot)
 
 
-def pull(state: ServerState, slot: jax.Array, *, weights: bool = True) -> ServerState:
-    """Records the current weights, model state and version as ``slot``'s backup (a worker's pull).
+def pull(state: ServerState, slot: jax.Array, *, weights: bool = True, rule: Any = None) -> ServerState:
+    """Records what a pull by ``slot`` sends (the current weights, or ``rule``'s pull transform of them), the model
+    state and the version as ``slot``'s backup (a worker's pull): the worker computes at exactly that backup.
 
     ``weights=False`` records only the version: for a caller that writes the weights later (the simulator, whose
     single slot always holds w_t, writes it once per chunk instead of copying the weights on every update).
@@ -102,7 +121,7 @@ def pull(state: ServerState, slot: jax.Array, *, weights: bool = True) -> Server
         return state._replace(backup_version=_put(state.backup_version, slot, state.version))
     put = lambda stack, x: _put(stack, slot, x)
     return state._replace(
-        backup_params=jax.tree.map(put, state.backup_params, state.params),
+        backup_params=jax.tree.map(put, state.backup_params, sent(rule, state.params, state.opt_state, slot)),
         backup_model_state=jax.tree.map(put, state.backup_model_state, state.model_state),
         backup_version=_put(state.backup_version, slot, state.version),
     )
@@ -172,4 +191,4 @@ def exchange(
       ``(new_state, staleness)``.
     """
     state, staleness = push(rule, state, slot, grads, model_state, stale_params=stale_params)
-    return pull(state, slot if pull_slot is None else pull_slot, weights=pull_weights), staleness
+    return pull(state, slot if pull_slot is None else pull_slot, weights=pull_weights, rule=rule), staleness

@@ -225,12 +225,13 @@ def init(
     )
 
 
-def _live_slot(delays, ex: Exchange) -> bool:
-    """Whether every update pulls into slot 0 and computes at w_t: SSGD, or a single slot (FixedDelay(0), one worker).
+def _live_slot(rule, delays, ex: Exchange) -> bool:
+    """Whether every update pulls into slot 0 and computes at w_t: SSGD, or a single slot (FixedDelay(0), one worker),
+    with a rule that sends the weights as they are (a pull-side rule's backup is its look-ahead, not w_t).
     Then slot 0 always holds w_t bit for bit, so the step reads the live weights and the chunk writes the slot's
     weights once at its end: per update, a copy of the weights into the slot (and one XLA made to protect the slot
     from that write while the gradient read it) would be the only work beyond sequential SGD's."""
-    return ex.mode == "sync" or delays.num_slots == 1
+    return (ex.mode == "sync" or delays.num_slots == 1) and not server.has_pull(rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +250,7 @@ class _Ctx:
 
 def _async_update(c: _Ctx, state: SimState, k_delay: jax.Array):
     """The delay model's next push: that worker's payload at its snapshot, applied; then its pull."""
-    ex, live = c.ex, _live_slot(c.delays, c.ex)
+    ex, live = c.ex, _live_slot(c.rule, c.delays, c.ex)
     delay_state, event = c.delays.next(state.delay, state.server.version, k_delay, ex.n_sync)
     if live:
         params0, model_state0 = state.server.params, state.server.model_state
@@ -279,14 +280,18 @@ def _sync_update(c: _Ctx, state: SimState, k_delay: jax.Array, k_model: jax.Arra
     """An SSGD round: every worker's payload at w_t, their mean applied once (as worker 0)."""
     ex, num = c.ex, c.delays.num_slots
     ds, batches = _take_all(c.data, c.data_words, ex, state.data)  # [M, n_sync, batch, ...]
-    params0, model_state0 = state.server.params, state.server.model_state
+    live = _live_slot(c.rule, c.delays, ex)
+    if live:
+        params0, model_state0 = state.server.params, state.server.model_state
+    else:  # a pull-side rule: every worker computes at what slot 0's pull sent
+        params0, model_state0 = server.snapshot(state.server, 0)
     payloads, model_states, losses, auxes = jax.vmap(
         lambda b, k: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr)
     )(batches, jax.random.split(k_model, num))
     mean_state = exchange.mean_tree(model_states) if ex.stateful else None
-    # Slot 0 is the live slot (see _live_slot): its weights are w_t, the point every payload was computed at.
+    # Every payload was computed at params0: slot 0's snapshot (the live weights w_t, see _live_slot).
     srv, staleness = server.exchange(
-        c.rule, state.server, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0, pull_weights=False
+        c.rule, state.server, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0, pull_weights=not live
     )
     clock = (state.clock + c.delays.sync_time(k_delay, ex.n_sync)).astype(jnp.float32)
     new = SimState(server=srv, delay=state.delay, data=ds, clock=clock)
@@ -338,7 +343,7 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, ex: Exchange, eval_fn, length: int)
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         step_keys = (fold(delay_key, ts), fold(model_key, ts) if ex.mode == "sync" else None)
         state, metrics = jax.lax.scan(lambda s, k: _step(c, s, k), state, step_keys)
-        if _live_slot(delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
+        if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             state = state._replace(server=server.pull(state.server, 0))
         return state, metrics, _evaluate(eval_fn, state)
 

@@ -152,7 +152,10 @@ class ParameterStore:
         # The state is donated: the server updates weights, rule state and the M backups in place instead of copying
         # (M + 2) x params per push, which made the store as slow as a gradient (benchmarks/trainer_overhead.py).
         self._exchange = jax.jit(lambda s, w, g, ms: server.exchange(rule, s, w, g, ms), donate_argnums=0)
-        self._pull = jax.jit(server.pull)
+        self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
+        # What a worker gets back: the weights, or a pull-side rule's look-ahead (its backup), on the store's device.
+        self._sends = server.has_pull(rule)
+        self._sent = jax.jit(lambda s, w: (server.snapshot(s, w)[0], s.model_state))
         self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
         self._lock = threading.Lock()
         # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
@@ -181,11 +184,18 @@ class ParameterStore:
         return self.applied
 
     def pull(self, worker: int) -> tuple[Any, Any, int]:
-        """Records ``worker``'s backup; returns ``(params, model_state, version)`` (no copy: arrays are immutable)."""
+        """Records ``worker``'s backup; returns ``(params, model_state, version)``: the weights it computes at (host
+        copies)."""
         self._check_worker(worker)
         with self._lock:
             self._state = self._pull(self._state, self._id(worker))
-            return (*_host_copy((self._state.params, self._state.model_state)), self.applied)
+            return (*self._answer_for(worker), self.applied)
+
+    def _answer_for(self, worker: int) -> tuple[Any, Any]:
+        """What ``worker`` computes at after its pull, as host copies: the weights, or what a pull-side rule sent."""
+        if self._sends:
+            return _host_copy(self._sent(self._state, self._id(worker)))
+        return _host_copy((self._state.params, self._state.model_state))
 
     def push(self, worker: int, payload: Any, pulled_version: int, model_state: Any = None) -> Future:
         """Queues a payload computed at the weights of ``pulled_version``.
@@ -501,7 +511,7 @@ class ParameterStore:
                 except OSError as e:
                     self.fail(OSError(f"writing {self._trace_file.name} failed ({e}): free space and resume"))
             # Host copies: the next exchange updates the state's buffers in place (donation).
-            result = (*_host_copy((self._state.params, self._state.model_state)), self.applied)
+            result = (*self._answer_for(worker), self.applied)
             self._last_answer = result[:2]
             if not _all_finite(result[0]):
                 self.diverged = True
@@ -516,9 +526,14 @@ class ParameterStore:
             due = self.checkpoint_path is not None and self.checkpoint_every is not None and not self.diverged
             if due and self.applied % self.checkpoint_every == 0:
                 _replace_latest(self._writes, self._snapshot())
+            snapshot = None
+            if self._on_snapshot is not None and self.snapshot_every and self.applied % self.snapshot_every == 0:
+                # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
+                weights = _host_copy((self._state.params, self._state.model_state)) if self._sends else result[:2]
+                snapshot = (self.applied, *weights)
         future.set_result(result)
-        if self._on_snapshot is not None and self.snapshot_every and result[2] % self.snapshot_every == 0:
-            self._on_snapshot(result[2], result[0], result[1])
+        if snapshot is not None:
+            self._on_snapshot(*snapshot)
 
     def _reject_nonfinite(self, worker: int, pulled_version: int) -> BadPush:
         """Counts a NaN/Inf push (its minibatches are used up) and stops the store on policy or after a streak."""

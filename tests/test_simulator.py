@@ -6,31 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DIM, B, N, lsq_loss, simulate_lsq
+from helpers.problems import DIM, B, BatchOrder, N, lsq_loss, simulate_lsq
 from helpers.problems import NOISY as DATA
 from helpers.problems import W1 as W0
 from helpers.reference import ReferenceServer, lsq_grad
 
 import asgd_jax
 from asgd_jax import delays
-from asgd_jax.simulator import shard_indices
-
-
-class BatchOrder:
-    """The documented minibatch order: shard s's j-th batch is a slice of that epoch's shard indices."""
-
-    def __init__(self, key, num_shards, batch_size=B):
-        self.key, self.num_shards, self.batch_size = jax.random.key(key), num_shards, batch_size
-        self.per_epoch = (N // num_shards) // batch_size
-        self.taken = [0] * num_shards
-
-    def next(self, shard):
-        epoch, k = divmod(self.taken[shard], self.per_epoch)
-        self.taken[shard] += 1
-        idx = np.asarray(shard_indices(self.key, epoch, N, self.num_shards))[shard]
-        idx = idx[k * self.batch_size : (k + 1) * self.batch_size]
-        return DATA["x"][idx].astype(np.float64), DATA["y"][idx].astype(np.float64)
-
 
 RULES = {
     "asgd": (lambda: asgd_jax.asgd(0.05), {"lam": None}),

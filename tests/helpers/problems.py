@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import asgd_jax
+from asgd_jax.simulator import shard_indices
 
 N, DIM, B = 96, 4, 8
 _rng = np.random.default_rng(0)
@@ -43,3 +44,19 @@ def simulate_lsq(rule, delay_model, num_updates=40, key=0, **kwargs):
         key=jax.random.key(key),
         **kwargs,
     )
+
+
+class BatchOrder:
+    """The documented minibatch order: shard s's j-th batch is a slice of that epoch's shard indices."""
+
+    def __init__(self, key, num_shards, batch_size=B):
+        self.key, self.num_shards, self.batch_size = jax.random.key(key), num_shards, batch_size
+        self.per_epoch = (N // num_shards) // batch_size
+        self.taken = [0] * num_shards
+
+    def next(self, shard):
+        epoch, k = divmod(self.taken[shard], self.per_epoch)
+        self.taken[shard] += 1
+        idx = np.asarray(shard_indices(self.key, epoch, N, self.num_shards))[shard]
+        idx = idx[k * self.batch_size : (k + 1) * self.batch_size]
+        return NOISY["x"][idx].astype(np.float64), NOISY["y"][idx].astype(np.float64)

@@ -1,0 +1,166 @@
+"""The staleness-mitigation rules since DC-ASGD, each against a float64 NumPy reference written from its paper.
+
+Gap-Aware (Barkai et al. 2020), Delayed Nesterov (Liu et al. 2024) and DANA (Hakimi et al. 2019, a pull-side rule:
+the server sends each worker a look-ahead) run in the simulator over a recorded push order; the references are plain
+loops over the same order with the same minibatches, sharing no code with asgd_jax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.problems import DATA, W1, BatchOrder, lsq_loss, simulate_lsq
+from helpers.reference import lsq_grad
+
+import asgd_jax
+from asgd_jax import delays, rules, server
+from asgd_jax.trainer import TrainConfig, train
+
+LR = 0.05
+ORDER = np.random.default_rng(4).integers(0, 3, size=60)
+
+
+def _replay(push, pull, order=ORDER, num=3):
+    """Runs the reference: worker m computes at what it was sent, on its next minibatch, pushes, then pulls."""
+    batches = BatchOrder(0, num_shards=num)
+    sent = {m: pull(m) for m in range(num)}
+    for worker in order:
+        a, y = batches.next(int(worker))
+        push(int(worker), lsq_grad(sent[int(worker)], a, y), sent[int(worker)])
+        sent[int(worker)] = pull(int(worker))
+
+
+class GapAwareRef:
+    def __init__(self, momentum=None, beta=0.999, eps=1e-8):
+        self.w, self.r, self.v, self.t = np.array(W1, np.float64), np.zeros(len(W1)), np.zeros(len(W1)), 0
+        self.momentum, self.beta, self.eps, self.max_lr = momentum, beta, eps, 0.0
+
+    def push(self, worker, g, sent):
+        self.t += 1
+        self.max_lr = max(self.max_lr, LR)
+        u = g if self.momentum is None else self.v  # the momentum buffer before this step
+        self.r = self.beta * self.r + (1 - self.beta) * u * u
+        c = self.max_lr * (np.sqrt(self.r / (1 - self.beta**self.t)) + self.eps)
+        gap = 1 + np.abs(self.w - sent) / c if self.t > 1 else 1.0
+        g = g / gap
+        if self.momentum is None:
+            self.w = self.w - LR * g
+        else:
+            self.v = self.momentum * self.v + g
+            self.w = self.w - LR * self.v
+
+    def pull(self, worker):
+        return self.w.copy()
+
+
+class DelayedNesterovRef:
+    def __init__(self, n, beta, c=0.0):
+        self.w, self.m, self.delta, self.t = np.array(W1, np.float64), np.zeros(len(W1)), np.zeros(len(W1)), 0
+        self.n, self.beta, self.c = n, beta, c
+
+    def push(self, worker, g, sent):
+        self.delta = self.delta + g
+        self.t += 1
+        if self.t % self.n == 0:
+            self.m = self.beta * self.m + self.delta / self.n
+            self.w = self.w - LR * ((1 - self.c * self.n + self.c) * self.beta * self.m + g / self.n)
+            self.delta = np.zeros_like(self.delta)
+        else:
+            self.w = self.w - LR * (self.c * self.beta * self.m + g / self.n)
+
+    def pull(self, worker):
+        return self.w.copy()
+
+
+class DanaRef:
+    def __init__(self, num, gamma, lam=0.0):
+        self.w = np.array(W1, np.float64)
+        self.v = [np.zeros(len(W1)) for _ in range(num)]
+        self.s = np.zeros(len(W1))
+        self.gamma, self.lam = gamma, lam
+
+    def push(self, worker, g, sent):
+        g = g + self.lam * g * g * (self.w - sent)  # DANA-DC: against the look-ahead the worker used
+        old = self.v[worker]
+        self.v[worker] = self.gamma * old + g
+        self.w = self.w - LR * self.v[worker]
+        self.s = self.s + self.v[worker] - old
+
+    def pull(self, worker):
+        return self.w - LR * self.gamma * self.s  # the look-ahead: every worker's momentum step still to come
+
+
+CASES = {
+    "gap_aware": (lambda: rules.gap_aware(LR), lambda: GapAwareRef()),
+    "gap_aware, momentum": (lambda: rules.gap_aware(LR, momentum=0.9), lambda: GapAwareRef(momentum=0.9)),
+    "delayed_nesterov": (
+        lambda: rules.delayed_nesterov(LR, buffer_size=3, momentum=0.9),
+        lambda: DelayedNesterovRef(3, 0.9),
+    ),
+    "delayed_nesterov, c = 1/N": (
+        lambda: rules.delayed_nesterov(LR, buffer_size=3, momentum=0.9, activation=1 / 3),
+        lambda: DelayedNesterovRef(3, 0.9, c=1 / 3),
+    ),
+    "dana": (lambda: rules.dana(LR, num_workers=3, momentum=0.9), lambda: DanaRef(3, 0.9)),
+    "dana-dc": (lambda: rules.dana(LR, num_workers=3, momentum=0.9, lam=2.0), lambda: DanaRef(3, 0.9, lam=2.0)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_rule_matches_its_papers_reference_over_a_recorded_order(case):
+    make_rule, make_ref = CASES[case]
+    ref = make_ref()
+    _replay(ref.push, ref.pull)
+    result = simulate_lsq(make_rule(), delays.Trace(ORDER, num=3), num_updates=len(ORDER))
+    np.testing.assert_allclose(result.params, ref.w, rtol=1e-4, atol=1e-5)
+
+
+def test_dana_sends_a_look_ahead_and_the_gradient_is_taken_there():
+    rule = rules.dana(LR, num_workers=2, momentum=0.9)
+    state = server.init(rule, jnp.asarray(W1), 2)
+    np.testing.assert_array_equal(state.backup_params[0], W1)  # nothing in flight yet: the look-ahead is w_0
+    state, _ = server.exchange(rule, state, 0, jnp.ones(4))
+    velocity_sum = state.opt_state.velocity_sum
+    np.testing.assert_allclose(state.backup_params[0], state.params - LR * 0.9 * velocity_sum, rtol=1e-6)
+    assert not np.allclose(state.backup_params[0], state.params)  # what worker 0 computes at next is not w_t
+    # The simulator hands the push rule exactly what was sent: DC's correction is against the look-ahead.
+    assert server.has_pull(rule) and not server.has_pull(asgd_jax.asgd(LR))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_pull_side_rule_replays_from_a_trainer_trace(tmp_path, mode):
+    rule = lambda: rules.dana(LR, num_workers=3, momentum=0.9)
+    config = TrainConfig(workers=3, num_updates=30, batch_size=8, seed=2, mode=mode, out=str(tmp_path), progress=False)
+    result = train(lsq_loss, rule(), W1, DATA, config, devices=jax.devices()[:3])
+    trace = delays.Trace.load(result.trace_path)
+    replay = asgd_jax.simulate(
+        lsq_loss,
+        rule(),
+        jnp.asarray(W1),
+        DATA,
+        batch_size=8,
+        num_updates=30,
+        key=jax.random.key(2),
+        progress=False,
+        mode=mode,
+        delays=trace if mode == "async" else delays.Workers(3),
+    )
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gap_aware", "delayed_nesterov", "dana"])
+def test_the_new_rules_pass_the_conformance_basics(name):
+    hp = {"num_workers": 3} if name == "dana" else {}
+    rule = rules.get(name, LR, **hp)
+    params = {"a": jnp.ones((2, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    state = rule.init(params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    update = jax.jit(lambda g, s, p: rule.update(g, s, p, stale_params=p, staleness=jnp.int32(2), worker=jnp.int32(1)))
+    updates, new_state = update(grads, state, params)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
+        assert u.dtype == p.dtype and u.shape == p.shape and bool(jnp.isfinite(u).all())
+    _, again = jax.lax.cond(True, lambda: update(grads, new_state, params), lambda: (updates, new_state))
+    assert jax.tree.structure(again) == jax.tree.structure(state)  # the state keeps its type under lax.cond
