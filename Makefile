@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/asgd-jax ablate --quick --out results/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=15 --nbmake tests notebooks
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 --nbmake tests notebooks
 
 STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync speedup_model heterogeneous_workers
 

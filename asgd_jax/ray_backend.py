@@ -47,6 +47,7 @@ __all__ = ["StoreActor", "WorkerActor", "require_ray", "run"]
 log = logging.getLogger("asgd_jax.ray")
 
 INSTALL = "pip install 'asgd_jax[ray]'  (or: pip install ray)"
+STARTUP_PATIENCE = 600.0  # seconds for the store and the workers to start and compile
 
 
 def require_ray():
@@ -344,10 +345,14 @@ class _Driver:
             ).remote(w, self.store, loss, data_ref, worker_config)
             for w in range(self.M)
         }
-        self.status = ray.get(self.store.status.remote())  # also waits for the store to be up (and resumed)
-        for ref in [a.warm_up.remote() for a in self.workers.values()]:  # compiled before the clock starts
+        # The store up (and resumed) and every worker compiled before the clock starts, within a bound: an actor
+        # the cluster has no room for would otherwise be waited for forever.
+        self.patience = min(c.timeout, STARTUP_PATIENCE)
+        deadline = time.perf_counter() + self.patience
+        self.status = self._within(self.store.status.remote(), deadline, "the store actor")
+        for w, ref in [(w, a.warm_up.remote()) for w, a in self.workers.items()]:
             try:
-                ray.get(ref)
+                self._within(ref, deadline, f"worker actor {w}")
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:  # its run() fails the same way
                 log.warning("a worker's warm-up failed: %s", e)
         if self.out is not None:
@@ -359,6 +364,20 @@ class _Driver:
             pushes=self.status["positions"],
             staleness_counts=self.status["staleness_counts"],
         )
+
+    def _within(self, ref, deadline: float, what: str):
+        """``ray.get(ref)`` by ``deadline``, or the run stops (its actors killed) saying what did not start."""
+        ray = self.ray
+        try:
+            return ray.get(ref, timeout=max(1.0, deadline - time.perf_counter()))
+        except ray.exceptions.GetTimeoutError:
+            for actor in [*self.workers.values(), self.store]:
+                ray.kill(actor)
+            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise errors.RunStopped(
+                f"{what} did not start within {self.patience:g} s (free on the cluster: {free}): the cluster may "
+                f"lack room for {self.M} worker actors; free resources or use fewer --workers"
+            ) from None
 
     def _take(self, polled) -> None:
         """A poll of the store: its status, the losses since the last poll, snapshots for the evaluator."""

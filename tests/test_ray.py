@@ -16,9 +16,13 @@ from helpers import problems as lsq_problem
 from helpers.problems import DATA, W0, lsq_loss
 
 import asgd_jax
+import asgd_jax.ray_backend
 from asgd_jax.trainer import TrainConfig, train
 
 ray = pytest.importorskip("ray")
+
+# One Ray instance for all of them (xdist's loadgroup): two on a 2-core machine starve each other.
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 def rule():
@@ -32,6 +36,16 @@ def local_ray():
         ray.cloudpickle.register_pickle_by_value(module)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _room_for_the_next_run(local_ray):
+    """After a test, wait until its killed actors have given their CPUs back (slow on a loaded machine): the next
+    run's workers would otherwise wait for room."""
+    yield
+    deadline = time.time() + 120
+    while time.time() < deadline and local_ray.available_resources().get("CPU", 0) < 2:
+        time.sleep(0.2)
 
 
 def replay(trace_path, steps, num=2):
@@ -283,6 +297,14 @@ def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(loc
     )
     assert result.resumed_from == stopped_at and result.pushes_applied == 600
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
+def test_more_workers_than_the_cluster_has_room_for_stop_the_run_instead_of_waiting_forever(local_ray, monkeypatch):
+    """Three one-CPU worker actors on a two-CPU cluster: the third is never scheduled; the run stops, naming it."""
+    monkeypatch.setattr(asgd_jax.ray_backend, "STARTUP_PATIENCE", 5.0)
+    config = TrainConfig(workers=3, batch_size=4, seed=3, backend="ray", num_updates=50)
+    with pytest.raises(asgd_jax.errors.RunStopped, match=r"worker actor 2 did not start within 5 s.*fewer --workers"):
+        train(lsq_loss, rule(), W0, DATA, config)
 
 
 def test_without_ray_the_backend_fails_at_once_with_the_install_command(monkeypatch):
