@@ -297,6 +297,9 @@ class _Driver:
         """The store actor (pinned to this node: the output folder is this machine's) and the worker actors, all
         compiled before the clock starts."""
         ray, c = self.ray, self.c
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        resources = {"num_gpus": c.devices_per_worker} if gpus else {"num_cpus": 1}
+        self._check_room(resources)
         here = ray.get_runtime_context().get_node_id()
         pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
         store_kwargs = {
@@ -323,8 +326,6 @@ class _Driver:
             )
             .remote(rule, jax.device_get(params), self.M, store_kwargs, c.mode)
         )
-        gpus = ray.cluster_resources().get("GPU", 0) > 0
-        resources = {"num_gpus": c.devices_per_worker} if gpus else {"num_cpus": 1}
         worker_config = {
             "ex": ex,
             "num_workers": self.M,
@@ -364,6 +365,18 @@ class _Driver:
             pushes=self.status["positions"],
             staleness_counts=self.status["staleness_counts"],
         )
+
+    def _check_room(self, resources: dict[str, float]) -> None:
+        """Fails at once when the cluster, even idle, cannot hold every worker actor (they would wait forever)."""
+        ((name, each),) = resources.items()
+        kind = "GPU" if name == "num_gpus" else "CPU"
+        have = self.ray.cluster_resources().get(kind, 0)
+        if have < self.M * each:
+            raise errors.ConfigError(
+                f"--workers {self.M} needs {self.M * each:g} {kind}s on the Ray cluster ({each:g} per worker actor), "
+                f"which has {have:g}: use --workers {int(have // each)} or fewer, or add nodes (an autoscaling "
+                "cluster: start them first)."
+            )
 
     def _within(self, ref, deadline: float, what: str):
         """``ray.get(ref)`` by ``deadline``, or the run stops (its actors killed) saying what did not start."""
