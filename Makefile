@@ -21,11 +21,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 --nbmake tests notebooks
 
-STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync speedup_model heterogeneous_workers
+STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync speedup_model heterogeneous_workers \
+	staleness_leaderboard
 
+# Every study's quick form, the report, and each study's final plot copied to docs/results/ (what the README shows).
 studies: $(STAMP)
 	for s in $(STUDIES); do $(BIN)/asgd-jax run $$s --quick --out results/studies/$$s || exit 1; done
 	$(BIN)/asgd-jax report results/studies
+	mkdir -p docs/results && for s in $(STUDIES); do cp results/studies/$$s/final.png docs/results/$$s.png; done
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -20,7 +20,7 @@ come from optax itself.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -48,6 +48,7 @@ __all__ = [
     "get",
     "defaults",
     "names",
+    "one_of",
     "register",
     "required",
     "scale_by_delay_adaptive",
@@ -709,6 +710,51 @@ def dana(
         del worker  # every worker gets the same look-ahead (DANA-Zero's S sums all momenta)
         lead = _rate(learning_rate, state.count) * momentum
         return jax.tree.map(lambda w, s: (w - lead * s).astype(w.dtype), params, state.velocity_sum)
+
+    return PullRule(init_fn, update_fn, pull_fn)
+
+
+def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTransformationExtraArgs | PullRule:
+    """The rule ``choices[index]``, with ``index`` possibly traced: a sweep runs different rules in one program.
+
+    The state holds every choice's state and only the chosen one's changes, so a run is the chosen rule's run. Under
+    ``vmap`` with a batched index every choice is computed and one is selected: a rule costs O(parameters), small
+    beside a gradient. A :class:`PullRule` when any choice is one (the others send the weights as they are).
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.rules.one_of(jnp.int32(1), [asgd_jax.asgd(0.1), asgd_jax.asgd(0.5)])
+      >>> w = jnp.ones(2)
+      >>> rule.update(jnp.ones(2), rule.init(w), w, staleness=jnp.int32(0))[0]
+      Array([-0.5, -0.5], dtype=float32)
+    """
+    choices = [c if isinstance(c, PullRule) else optax.with_extra_args_support(c) for c in choices]
+    if not choices:
+        raise errors.ConfigError("one_of needs at least one rule in choices.")
+    index = jnp.asarray(index, jnp.int32)
+
+    def init_fn(params):
+        return tuple(c.init(params) for c in choices)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        def branch(i):
+            def chosen(state):
+                step, new = choices[i].update(updates, state[i], params, **extra_args)
+                return step, (*state[:i], new, *state[i + 1 :])
+
+            return chosen
+
+        return jax.lax.switch(index, [branch(i) for i in range(len(choices))], state)
+
+    if not any(isinstance(c, PullRule) for c in choices):
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    def pull_fn(params, state, worker):
+        sends = [
+            (lambda st, c=c, i=i: c.pull(params, st[i], worker)) if isinstance(c, PullRule) else (lambda st: params)
+            for i, c in enumerate(choices)
+        ]
+        return jax.lax.switch(index, sends, state)
 
     return PullRule(init_fn, update_fn, pull_fn)
 

@@ -437,6 +437,16 @@ def _resume(path: str, state: SimState, header: dict[str, Any], axis: int) -> tu
     return state, _Progress(int(saved["done"]), [metrics] if metrics else [], evals)
 
 
+def _progress_note(last_losses: np.ndarray) -> dict[str, str]:
+    """The progress bar's note: the last loss (a sweep's median over its runs) and how many runs diverged."""
+    losses = np.atleast_1d(last_losses)
+    finite = losses[np.isfinite(losses)]
+    note = {"loss": f"{float(np.median(finite)):.3f}" if finite.size else "nan"}
+    if finite.size < losses.size:
+        note["diverged"] = f"{losses.size - finite.size}/{losses.size}"
+    return note
+
+
 def _check_finite(metrics: dict[str, np.ndarray], done: int, policy: str, warned: list[bool]) -> None:
     """Warns (once) or stops when a chunk's training loss is NaN or Inf: a diverging run says so."""
     losses = np.asarray(metrics["loss"])
@@ -491,7 +501,7 @@ def _run(
                 ckpt.save(path, state, arrays, {**header, "done": so_far.done})
             if bar is not None:
                 bar.update(length)
-                bar.set_postfix(loss=f"{float(np.mean(np.take(so_far.chunks[-1]['loss'], -1, axis=axis))):.3f}")
+                bar.set_postfix(_progress_note(np.take(so_far.chunks[-1]["loss"], -1, axis=axis)))
             if callback is not None:
                 callback(so_far.done, state)
     finally:

@@ -42,6 +42,7 @@ from asgd_jax.simulator import grid, simulate, sweep
 
 __all__ = [
     "ALGORITHMS",
+    "METRICS",
     "DCASGD_CIFAR10",
     "Arm",
     "Settings",
@@ -50,6 +51,7 @@ __all__ = [
     "Variant",
     "ablate",
     "available",
+    "best_tuned",
     "format_table",
     "load",
     "plot",
@@ -61,9 +63,12 @@ __all__ = [
     "time_to_target",
 ]
 
-STUDY_RULES = ("dc_asgd", "staleness_aware", "delay_adaptive")
-"""The rules an arm's variants may share (one compiled program): ``dc_asgd`` covers SGD, ASGD (lambda 0), DC-ASGD-c
-and -a with a traced lambda and adaptive flag."""
+METRICS = {
+    "test_error": "final test error (%)",
+    "time_to_target": "virtual time to the target training error",
+    "speedup": "speed-up in time to the target training error",
+}
+"""What a study's table can show (:attr:`Study.metric`, :attr:`Study.also`)."""
 
 ALGORITHMS = {
     "sgd": "SGD",
@@ -81,10 +86,12 @@ class Variant:
 
     Attributes:
       label: the series name in tables and plots (``"DC-ASGD-a"``).
-      rule: the registered rule (:func:`asgd_jax.rules.get`): ``"dc_asgd"`` (SGD/ASGD/DC-ASGD: lambda 0 is plain ASGD),
-        ``"staleness_aware"`` or ``"delay_adaptive"``.
+      rule: a registered rule (:func:`asgd_jax.rules.get`); ``"dc_asgd"`` (the default) covers SGD, ASGD (lambda 0),
+        DC-ASGD-c and -a, so they share one compiled program.
       lam: DC-ASGD's lambda_0.
       adaptive: DC-ASGD-a (True) or -c.
+      lr: this variant's learning rate (default: the settings'), a traced number: an arm tunes it in one program.
+      hp: the rule's other numeric hyperparameters, traced per run (every variant of an arm names the same ones).
       coords: extra coordinates for tables/plots (e.g. ``{"lambda": 2.0}``).
     """
 
@@ -92,10 +99,14 @@ class Variant:
     rule: str = "dc_asgd"
     lam: float = 0.0
     adaptive: bool = False
+    lr: float | None = None
+    hp: Mapping[str, float] = dataclasses.field(default_factory=dict)
     coords: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        errors.choice("rule", self.rule, STUDY_RULES)
+        errors.choice("rule", self.rule, rules.names())
+        if self.lr is not None:
+            errors.finite_number("lr", self.lr, positive=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +117,19 @@ class Arm:
       coords: coordinates of every run in the arm (``{"M": 8}``, ``{"clients": 4, "n_sync": 10, "start": "warm"}``).
       workers: M (``Workers``), or ``tau`` for a fixed delay.
       tau: use ``FixedDelay(tau)`` instead of workers.
-      variants: the rules, all of one registered rule.
+      variants: the rules: any mix of registered rules runs as one program (:func:`asgd_jax.rules.one_of` picks each
+        run's), and ``"dc_asgd"`` variants (SGD, ASGD, DC-ASGD-c and -a) differ only in traced numbers.
       mode: ``"async"`` or ``"sync"`` (SSGD).
       n_sync, push: the exchange pattern (GPU A-SGD).
       local_lr: local step size for ``n_sync > 1`` (default: the study's learning rate).
       server_lr: the server's learning rate (default: the study's schedule; 1.0 with ``push="delta"`` adds the delta).
       warm: start from the study's warm-started weights.
-      worker_kwargs: more ``Workers`` arguments (``speeds``, ``straggler_prob``, ``comm_time``, ...).
+      worker_kwargs: more ``Workers`` arguments (``speeds``, ``straggler_prob``, ``comm_time``, ``compute_time``
+        to override the study's, ...).
       series: how the runs are named in plots (default: the variant's label).
+      rule_options: static arguments of the rule (``buffer_size`` of Delayed Nesterov, DANA's ``lam``, ...).
+      for_every: the arm's runs stand in every cell of these coordinates, run once (a reference such as sequential
+        SGD in every ``{"M": (4, 16, 32)}`` column).
     """
 
     coords: Mapping[str, Any]
@@ -128,16 +144,22 @@ class Arm:
     warm: bool = False
     worker_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     series: str | None = None
+    rule_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    for_every: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        names = {v.rule for v in self.variants}
-        if len(names) != 1:
-            raise errors.ConfigError(f"an Arm's variants share one rule (one program), got {sorted(names)}: split it.")
+        errors.require(bool(self.variants), "variants", self.variants, "give at least one Variant")
+        known = {k for v in self.variants for k in (*rules.defaults(v.rule), *rules.required(v.rule))}
+        unknown = sorted(set(self.rule_options) - known)
+        errors.require(not unknown, "rule_options", unknown, f"the arm's rules take {sorted(known)}")
+        hp = list(self.variants[0].hp)
+        for v in self.variants:
+            errors.require(list(v.hp) == hp, "hp", dict(v.hp), f"every variant of an arm names the same ones: {hp}")
 
     def delays(self, compute_time: str = "exponential"):
         if self.tau is not None:
             return delays_lib.FixedDelay(self.tau)
-        return delays_lib.Workers(self.workers, compute_time=compute_time, **self.worker_kwargs)
+        return delays_lib.Workers(self.workers, **{"compute_time": compute_time, **self.worker_kwargs})
 
     def label(self, variant: Variant) -> str:
         return variant.label if self.series is None else self.series.format(label=variant.label, **self.coords)
@@ -215,7 +237,7 @@ class Settings:
         rules.get("dc_asgd_a", 0.1, lam=self.lam_a, mean_square_decay=self.mean_square_decay)
 
 
-#: The DC-ASGD paper's CIFAR-10 setup (PAPERS.md section 1): ResNet-20, no augmentation, 160 effective epochs,
+#: The DC-ASGD paper's CIFAR-10 setup (Zheng et al. 2017): ResNet-20, no augmentation, 160 effective epochs,
 #: minibatch 128 per worker, lr 0.5 divided by 10 at epochs 80 and 120, DC-ASGD-c lambda_0 0.04, DC-ASGD-a lambda_0 2
 #: and m 0.95, M in {1, 4, 8}, 5 seeds, the same initial weights and schedule for every run: the full form of
 #: ``dcasgd_table1`` and ``dcasgd_lambda_sweep`` (hours on one GPU; `asgd-jax data prepare cifar10` first).
@@ -250,6 +272,10 @@ class Study:
       paper: the paper's numbers, ``{row: {column: value}}``, printed beside ours.
       column_order: the table's columns in this order (default: as the runs come).
       forms: more named forms beside ``quick`` and ``full`` (``asgd-jax ablate`` runs ``dcasgd_table1``'s).
+      tune: coordinates tuned per cell (``("lr", "lambda")``): a cell shows the runs of its best setting, the one with
+        the lowest mean final training error (the test set never picks), and the table lists the picks.
+      facet: one table (and one plot panel) per value of this coordinate (``"cluster"``).
+      also: more metrics, each one more table of the same cells (``("time_to_target",)``).
     """
 
     name: str
@@ -267,6 +293,13 @@ class Study:
     paper_note: str = ""
     column_order: tuple[str, ...] | None = None
     forms: Mapping[str, Settings] = dataclasses.field(default_factory=dict)
+    tune: tuple[str, ...] = ()
+    facet: str | None = None
+    also: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for metric in (self.metric, *self.also):
+            errors.choice("metric", metric, METRICS)
 
     def form(self, name: str) -> Settings:
         """The settings of the form ``name``."""
@@ -319,7 +352,7 @@ def load(name_or_path: str) -> Study:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def schedule(s: Settings, num_updates: int) -> optax.Schedule:
+def schedule(s: Settings, num_updates: int, learning_rate: float | jax.Array | None = None) -> optax.Schedule:
     """The learning rate of a run of ``num_updates`` updates: constant, or DC-ASGD's steps (``"step"``).
 
     Example:
@@ -328,23 +361,61 @@ def schedule(s: Settings, num_updates: int) -> optax.Schedule:
       >>> [round(float(lr(t)), 4) for t in (79, 80, 120)]
       [0.5, 0.05, 0.005]
     """
+    lr = s.learning_rate if learning_rate is None else learning_rate  # may be traced: a sweep tunes it
     if s.schedule == "constant":
-        return optax.constant_schedule(s.learning_rate)
+        return optax.constant_schedule(lr)
     # DC-ASGD divides by 10 at epochs 80 and 120 of 160: at 50% and 75% of the updates.
     boundaries = {int(0.5 * num_updates): 0.1, int(0.75 * num_updates): 0.1}
-    return optax.piecewise_constant_schedule(s.learning_rate, boundaries)
+    return optax.piecewise_constant_schedule(lr, boundaries)
 
 
-def _rule_fn(rule: str, arm: Arm, s: Settings, num_updates: int, num_workers: int):
-    """``hparams -> rule`` for an arm: its variants' numbers (lambda, the adaptive flag) are traced."""
-    lr = schedule(s, num_updates) if arm.server_lr is None else arm.server_lr
-    if rule == "staleness_aware":
-        return lambda h: rules.get(rule, lr, momentum=s.momentum)
-    if rule == "delay_adaptive":
-        return lambda h: rules.get(rule, lr, num_workers=num_workers, momentum=s.momentum)
-    return lambda h: rules.get(
-        rule, lr, lam=h["lam"], adaptive=h["adaptive"] > 0.5, mean_square_decay=s.mean_square_decay, momentum=s.momentum
-    )
+def _arm_rules(variants: tuple[Variant, ...]) -> list[str]:
+    return list(dict.fromkeys(v.rule for v in variants))
+
+
+def _rule_fn(variants: tuple[Variant, ...], arm: Arm, s: Settings, num_updates: int, num_workers: int):
+    """``hparams -> rule`` for an arm: the learning rate, the variants' numbers and (for a mix) which rule are traced,
+    one program for all."""
+
+    def build(rule: str, h, lr):
+        takes = {*rules.defaults(rule), *rules.required(rule)}
+        kwargs: dict[str, Any] = {}
+        if s.momentum is not None and "momentum" in takes:  # else the rule's own default (DANA's 0.9)
+            kwargs["momentum"] = s.momentum
+        if "num_workers" in rules.required(rule):
+            kwargs["num_workers"] = num_workers
+        if rule == "dc_asgd":
+            kwargs.update(mean_square_decay=s.mean_square_decay, lam=h["lam"], adaptive=h["adaptive"] > 0.5)
+        kwargs.update({k: v for k, v in arm.rule_options.items() if k in takes})
+        kwargs.update({k: v for k, v in h.items() if k in takes and k not in ("lam", "adaptive")})
+        return rules.get(rule, lr, **kwargs)
+
+    names = _arm_rules(variants)
+
+    def rule_fn(h):
+        lr = arm.server_lr if arm.server_lr is not None else schedule(s, num_updates, learning_rate=h.get("lr"))
+        if len(names) == 1:
+            return build(names[0], h, lr)
+        return rules.one_of(h["rule"].astype("int32"), [build(name, h, lr) for name in names])
+
+    return rule_fn
+
+
+def _hparams(variants: tuple[Variant, ...], s: Settings, index: np.ndarray) -> dict[str, np.ndarray]:
+    """Each run's traced numbers (its variant's, by ``index``): the learning rate, lambda, the adaptive flag, hp."""
+    keys = list(variants[0].hp)  # every variant names the same ones (Arm checks)
+    # The learning rate is traced only when the arm tunes it: a Python float keeps the schedule's constants folded,
+    # as they always were (the same bits as before the rule registry).
+    tuned = {"lr": [v.lr or s.learning_rate for v in variants]} if any(v.lr for v in variants) else {}
+    names = _arm_rules(variants)
+    table = {
+        **tuned,
+        **({"rule": [names.index(v.rule) for v in variants]} if len(names) > 1 else {}),
+        "lam": [v.lam for v in variants],
+        "adaptive": [float(v.adaptive) for v in variants],
+        **{k: [v.hp[k] for v in variants] for k in keys},
+    }
+    return {k: np.asarray(values, np.float32)[index] for k, values in table.items()}
 
 
 def time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> float:
@@ -426,15 +497,12 @@ def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list
     variants = arm.variants
     keys, hp = grid(seeds=s.seeds, index=list(range(len(variants))))
     index = np.asarray(hp.pop("index")).astype(int)
-    hp = {
-        "lam": np.asarray([v.lam for v in variants], np.float32)[index],
-        "adaptive": np.asarray([float(v.adaptive) for v in variants], np.float32)[index],
-    }
+    hp = _hparams(variants, s, index)
     params, model_state = setup.warm if arm.warm else setup.init
     local_lr = (arm.local_lr or s.learning_rate) if arm.n_sync > 1 or arm.push == "delta" else None
     result = sweep(
         setup.loss_fn,
-        _rule_fn(variants[0].rule, arm, s, num_updates, m),
+        _rule_fn(variants, arm, s, num_updates, m),
         params,
         setup.ds.train,
         keys=keys,
@@ -461,7 +529,7 @@ def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list
     for i, variant in enumerate(variants):
         rows = np.flatnonzero(index == i)
         label = arm.label(variant)
-        coords = {**arm.coords, **variant.coords, "label": label}
+        coords = {**arm.coords, **variant.coords, **({"lr": variant.lr} if variant.lr else {}), "label": label}
         series = " | ".join(
             f"{k}={v}"
             for k, v in coords.items()
@@ -493,6 +561,13 @@ def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list
     return runs, curves
 
 
+def _for_every(arm: Arm, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An arm's runs copied into every cell of its ``for_every`` coordinates (a reference run once)."""
+    for key, values in arm.for_every.items():
+        runs = [{**r, key: v} for v in values for r in runs]
+    return runs
+
+
 def run(
     study: Study,
     *,
@@ -520,7 +595,7 @@ def run(
     curves: dict[str, dict[str, list[float]]] = {}
     for arm in arms:
         arm_runs, arm_curves = _run_arm(s, arm, setup, progress)
-        runs += arm_runs
+        runs += _for_every(arm, arm_runs)
         curves.update(arm_curves)
     return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
 
@@ -535,50 +610,113 @@ def _ordered(values) -> list:
     return sorted(values) if all(isinstance(v, int | float) for v in values) else values
 
 
-def _cell_values(study: Study, runs: list[dict[str, Any]]) -> dict[tuple[Any, Any], tuple[float, float]]:
-    groups: dict[tuple[Any, Any], list[float]] = {}
+def _metric_value(metric: str, r: dict[str, Any]) -> float:
+    return 100 * r["test_error"] if metric == "test_error" else r["time_to_target"]
+
+
+def _cell(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
+
+
+def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[tuple, dict[str, Any]]]:
+    """The runs of each cell's best tuned setting, and the picks: ``{(facet, row, column): {"lr": 0.1, ...}}``.
+
+    A cell's runs are grouped by their :attr:`Study.tune` coordinates; the group with the lowest mean final training
+    error wins (a diverged run counts as the worst), so the test set only reports. Without ``tune``: all runs, no picks.
+
+    Example:
+      >>> from asgd_jax import studies
+      >>> study = studies.load("staleness_leaderboard")
+      >>> runs = [{"label": "ASGD", "M": 4, "cluster": "uniform", "lr": lr, "train_error": e, "test_error": e}
+      ...         for lr, e in [(0.1, 0.3), (0.1, 0.5), (0.2, 0.35), (0.2, 0.35)]]
+      >>> kept, picks = studies.best_tuned(study, runs)
+      >>> [r["lr"] for r in kept], picks
+      ([0.2, 0.2], {('uniform', 'ASGD', 4): {'lr': 0.2}})
+    """
+    if not study.tune:
+        return runs, {}
+    groups: dict[tuple, dict[tuple, list[dict[str, Any]]]] = {}
     for r in runs:
-        value = 100 * r["test_error"] if study.metric == "test_error" else r["time_to_target"]
-        groups.setdefault((r.get(study.rows), r.get(study.columns)), []).append(value)
+        groups.setdefault(_cell(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
+
+    def score(group: list[dict[str, Any]]) -> float:
+        errs = np.asarray([r["train_error"] for r in group], np.float64)
+        return float(errs.mean()) if np.isfinite(errs).all() else math.inf
+
+    kept, picks = [], {}
+    for cell, by_setting in groups.items():
+        setting = min(by_setting, key=lambda k: score(by_setting[k]))
+        kept += by_setting[setting]
+        picks[cell] = {k: v for k, v in zip(study.tune, setting, strict=True) if v is not None}
+    return kept, picks
+
+
+def _cell_values(study: Study, runs: list[dict[str, Any]], metric: str | None = None) -> dict[tuple, tuple]:
+    """``{(facet, row, column): (mean, std)}`` of ``metric`` (default: the study's) over the seeds."""
+    metric = metric or study.metric
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        groups.setdefault(_cell(study, r), []).append(_metric_value(metric, r))
     cells = {k: tuple(float(x) for x in metrics_lib.mean_std(np.asarray(v))) for k, v in groups.items()}
-    if study.metric == "speedup":
+    if metric == "speedup":
         base_runs = [r for r in runs if all(r.get(k) == v for k, v in (study.baseline or {}).items())]
         base = float(np.mean([r["time_to_target"] for r in base_runs])) if base_runs else math.nan
         cells = {k: (base / mean if mean > 0 else math.nan, 0.0) for k, (mean, _) in cells.items()}
     return cells
 
 
-def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> str:
-    """The study's Markdown table (mean ± std over seeds), with the paper's numbers beside ours when given."""
-    cells = _cell_values(study, runs)
-    rows = _ordered(r for r, _ in cells)
-    cols = list(dict.fromkeys(c for _, c in cells))
+def _layout(study: Study, cells) -> tuple[list, list, list]:
+    """The facet values, rows and columns of a study's tables, in order."""
+    facets = _ordered(f for f, _, _ in cells)
+    rows = _ordered(r for _, r, _ in cells)
+    cols = list(dict.fromkeys(c for _, _, c in cells))
     if study.column_order:
         cols = sorted(cols, key=lambda c: study.column_order.index(c) if c in study.column_order else len(cols))
-    what = {
-        "test_error": "final test error (%)",
-        "time_to_target": "virtual time to the target training error",
-        "speedup": "speed-up in time to the target training error",
-    }[study.metric]
-    if study.metric == "speedup":
-        what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
-    head = f"| {study.rows} | " + " | ".join(map(str, cols)) + " |"
-    over = "ratio of mean times" if study.metric == "speedup" else "mean ± std"
-    lines = [f"{what}, {over} over {num_seeds} seed(s)", "", head]
-    lines.append("|---" * (len(cols) + 1) + "|")
-    for row in rows:
-        out = []
-        for col in cols:
-            mean, std = cells.get((row, col), (math.nan, 0.0))
-            if math.isnan(mean):
-                out.append("—")
-            elif study.metric == "speedup":
-                out.append(f"{mean:.2f}x")
-            else:
-                out.append(f"{mean:.2f} ± {std:.2f}")
-        lines.append(f"| {row} | " + " | ".join(out) + " |")
-    if study.metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
-        lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
+    return facets, rows, cols
+
+
+def _grid(study: Study, cells: dict[tuple, Any], text: Callable[[Any], str]) -> list[str]:
+    """Markdown table(s), one per facet value, of ``text(cell)``."""
+    facets, rows, cols = _layout(study, cells)
+    lines: list[str] = []
+    for facet in facets:
+        if study.facet:
+            lines += ["", f"{study.facet} = {facet}", ""]
+        lines.append(f"| {study.rows} | " + " | ".join(map(str, cols)) + " |")
+        lines.append("|---" * (len(cols) + 1) + "|")
+        for row in rows:
+            if any((facet, row, col) in cells for col in cols):
+                lines.append(f"| {row} | " + " | ".join(text(cells.get((facet, row, col))) for col in cols) + " |")
+    return lines
+
+
+def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> str:
+    """The study's Markdown table(s) (mean ± std over seeds): one per facet value and metric, the tuned picks, and the
+    paper's numbers beside ours when given."""
+    runs, picks = best_tuned(study, runs)
+    lines: list[str] = []
+    for metric in (study.metric, *study.also):
+        cells = _cell_values(study, runs, metric)
+        what = METRICS[metric]
+        if metric == "speedup":
+            what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
+        over = "ratio of mean times" if metric == "speedup" else "mean ± std"
+        tuned = f"; each cell the best of its {', '.join(study.tune)} grid by training error" if study.tune else ""
+
+        def text(cell, metric=metric):
+            if cell is None or math.isnan(cell[0]):
+                return "—"
+            return f"{cell[0]:.2f}x" if metric == "speedup" else f"{cell[0]:.2f} ± {cell[1]:.2f}"
+
+        lines += ([""] if lines else []) + [f"{what}, {over} over {num_seeds} seed(s){tuned}"]
+        lines += ([] if study.facet else [""]) + _grid(study, cells, text)
+        if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
+            lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
+    if picks:
+        lines += ["", f"The tuned settings picked (lowest training error over {', '.join(study.tune)})"]
+        lines += ([] if study.facet else [""]) + _grid(
+            study, picks, lambda p: ", ".join(f"{k} {v:g}" for k, v in p.items()) if p else ""
+        )
     if study.paper:
         pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
         lines += [
@@ -593,39 +731,56 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     return "\n".join(lines)
 
 
+def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list) -> None:
+    """One panel of the final metric: lines against numeric rows, grouped bars over named ones (rules)."""
+    numeric = all(isinstance(r, int | float) for r in rows)
+    width = 0.8 / max(len(cols), 1)
+    for j, col in enumerate(cols):
+        pts = [(r, *cells[(facet, r, col)]) for r in rows if (facet, r, col) in cells]
+        if numeric:
+            x = [p[0] for p in pts]
+            ax.errorbar(x, [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=str(col))
+        else:
+            x = [rows.index(p[0]) + (j - (len(cols) - 1) / 2) * width for p in pts]
+            ax.bar(x, [p[1] for p in pts], width, yerr=[p[2] for p in pts], capsize=2, label=f"{study.columns} {col}")
+    if numeric and len(rows) > 2 and min(rows) > 0 and max(rows) / min(rows) >= 8:
+        ax.set_xscale("log", base=2)
+    if not numeric:
+        ax.set_xticks(range(len(rows)), [str(r) for r in rows], rotation=35, ha="right", fontsize=8)
+    else:
+        ax.set_xlabel(study.rows)
+    ax.grid(alpha=0.3, axis="y" if not numeric else "both")
+
+
 def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
-    """``final.png`` (the table's metric against its rows, one line per column) and ``curves_<x>.png``."""
+    """``final.png`` (the table's metric against its rows, one line or bar group per column, one panel per facet
+    value), ``final_<metric>.png`` for :attr:`Study.also`, and ``curves_<x>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     study, paths = result.study, []
-    cells = _cell_values(study, result.runs)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    rows = _ordered(r for r, _ in cells)
-    numeric = all(isinstance(r, int | float) for r in rows)
-    for col in dict.fromkeys(c for _, c in cells):
-        pts = [(r, *cells[(r, col)]) for r in rows if (r, col) in cells]
-        x = [p[0] if numeric else rows.index(p[0]) for p in pts]
-        ax.errorbar(x, [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=str(col))
-    if numeric and len(rows) > 2 and min(rows) > 0 and max(rows) / min(rows) >= 8:
-        ax.set_xscale("log", base=2)
-    if not numeric:
-        ax.set_xticks(range(len(rows)), [str(r) for r in rows], rotation=15)
-    ax.set_xlabel(study.rows)
-    ax.set_ylabel(
-        {"test_error": "final test error (%)", "time_to_target": "virtual time to target", "speedup": "speed-up"}[
-            study.metric
-        ]
-    )
-    ax.set_title(study.title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(folder, "final.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    runs, _ = best_tuned(study, result.runs)
+    for metric in (study.metric, *study.also):
+        cells = _cell_values(study, runs, metric)
+        facets, rows, cols = _layout(study, cells)
+        wide = 1.0 if all(isinstance(r, int | float) for r in rows) else 0.5 + 0.12 * len(cols)
+        fig, axes = plt.subplots(
+            1, len(facets), figsize=(max(4.5, wide * len(rows)) * len(facets) ** 0.8, 4.2), squeeze=False, sharey=True
+        )
+        for ax, facet in zip(axes[0], facets, strict=True):
+            _final_axes(ax, study, cells, facet, rows, cols)
+            if study.facet:
+                ax.set_title(f"{study.facet} = {facet}", fontsize=9)
+        axes[0][0].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
+        axes[0][-1].legend(fontsize=7)
+        tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
+        fig.suptitle(f"{study.title}{tuned}", fontsize=10)
+        fig.tight_layout()
+        paths.append(os.path.join(folder, "final.png" if metric == study.metric else f"final_{metric}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     for x in study.curves_x:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         n = len(result.curves)

@@ -164,3 +164,51 @@ def test_the_new_rules_pass_the_conformance_basics(name):
         assert u.dtype == p.dtype and u.shape == p.shape and bool(jnp.isfinite(u).all())
     _, again = jax.lax.cond(True, lambda: update(grads, new_state, params), lambda: (updates, new_state))
     assert jax.tree.structure(again) == jax.tree.structure(state)  # the state keeps its type under lax.cond
+
+
+CHOICES = [
+    lambda: asgd_jax.asgd(LR),
+    lambda: rules.dana(LR, num_workers=3, momentum=0.9),  # a pull rule among push rules
+    lambda: rules.gap_aware(LR),
+]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_one_of_runs_exactly_the_chosen_rule_and_only_its_state_moves(index):
+    chosen = simulate_lsq(CHOICES[index](), delays.Workers(3), num_updates=40)
+    mixed = simulate_lsq(rules.one_of(jnp.int32(index), [c() for c in CHOICES]), delays.Workers(3), num_updates=40)
+    np.testing.assert_array_equal(mixed.params, chosen.params)  # bit for bit
+    untouched = [rules.one_of(index, [c() for c in CHOICES]).init(jnp.asarray(W1))[i] for i in range(3) if i != index]
+    moved = [mixed.state.server.opt_state[i] for i in range(3) if i != index]
+    for before, after in zip(untouched, moved, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_one_of_with_a_traced_index_in_a_sweep_is_each_rule_on_its_own():
+    choices = [c() for c in CHOICES]
+    keys, hp = asgd_jax.grid(seeds=[5], index=[0, 1, 2])
+    swept = asgd_jax.sweep(
+        lsq_loss,
+        lambda h: rules.one_of(h["index"], [c() for c in CHOICES]),
+        jnp.asarray(W1),
+        DATA,
+        keys=keys,
+        hparams={"index": jnp.asarray(hp["index"], jnp.int32)},
+        delays=delays.Workers(3),
+        batch_size=8,
+        num_updates=30,
+        progress=False,
+    )
+    for i, rule in enumerate(choices):
+        alone = asgd_jax.simulate(
+            lsq_loss,
+            rule,
+            jnp.asarray(W1),
+            DATA,
+            delays=delays.Workers(3),
+            batch_size=8,
+            num_updates=30,
+            key=jax.random.key(5),
+            progress=False,
+        )
+        np.testing.assert_allclose(swept.params[i], alone.params, rtol=1e-6, atol=1e-7)

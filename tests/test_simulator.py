@@ -1,4 +1,4 @@
-"""The staleness simulator: against an independent reference, and the properties DESIGN.md promises."""
+"""The staleness simulator: against an independent reference, and the properties ARCHITECTURE.md lists as invariants."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
         "heterogeneous_workers",
         "speedup_model",
         "staleness_curve",
+        "staleness_leaderboard",
     ]
     full = {n: studies.load(n) for n in names}
     arms = {n: s.arms(s.full, False) for n, s in full.items()}
@@ -114,3 +115,108 @@ def test_cli_lists_studies_and_errors(tmp_path, capsys):
     assert "choose from" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     assert "no results.json" in capsys.readouterr().err
+
+
+def test_the_leaderboard_grid_is_the_issues():
+    study = studies.load("staleness_leaderboard")
+    arms = study.arms(study.full, False)
+    cells = {(a.coords["cluster"], a.coords["M"]) for a in arms if not a.for_every}
+    assert cells == {(c, m) for c in ("uniform", "half at half speed", "fixed delay") for m in (4, 16, 32)}
+    rules_per_cell = {}
+    for a in arms:
+        for v in a.variants:
+            rules_per_cell.setdefault((a.coords["cluster"], a.coords["M"]), {}).setdefault(v.label, set()).add(v.lr)
+    expected = {"ASGD", "DC-ASGD-c", "DC-ASGD-a", "staleness-aware", "delay-adaptive", "Gap-Aware", "DANA-Zero"}
+    expected |= {"Delayed Nesterov", "SSGD"}
+    for cell in cells:
+        assert set(rules_per_cell[cell]) == expected
+        assert all(len(lrs) >= 2 for lrs in rules_per_cell[cell].values())  # every rule's lr is tuned
+    (reference,) = [a for a in arms if a.for_every]  # sequential SGD, run once, stands in every cell
+    assert reference.workers == 1 and set(reference.for_every) == {"M", "cluster"}
+    dn = [a for a in arms if a.variants[0].rule == "delayed_nesterov"]
+    assert all(a.n_sync > 1 and a.push == "delta" and a.rule_options["buffer_size"] == a.workers for a in dn)
+    slow = [a for a in arms if a.coords["cluster"] == "half at half speed"]
+    assert all(sorted(a.worker_kwargs["speeds"]) == [0.5] * (a.workers // 2) + [1.0] * (a.workers // 2) for a in slow)
+    assert (
+        study.full.seeds == study.quick.seeds == (0, 1, 2, 3, 4)
+        and study.full.model == "resnet20"
+        and study.quick.model == "cnn"
+    )
+    assert study.tune == ("lr", "lambda") and study.also == ("time_to_target",)
+
+
+def test_a_mix_of_rules_in_one_arm_gives_each_rule_its_own_runs():
+    """One program for several rules (the rule index traced) gives every run what its rule alone gives."""
+    variants = (
+        studies.Variant("ASGD", lr=0.2),
+        studies.Variant("Gap-Aware", rule="gap_aware", lr=0.2),
+        studies.Variant("DANA", rule="dana", lr=0.05),
+    )
+    one = [studies.Arm({"M": 3}, workers=3, variants=variants)]
+    apart = [studies.Arm({"M": 3}, workers=3, variants=(v,)) for v in variants]
+    settings = dataclasses.replace(TINY, seeds=(0,))
+
+    def runs(arms):
+        study = studies.Study("m", "m", "", settings, settings, arms=lambda s, q: arms)
+        return {r["label"]: r for r in studies.run(study, settings=settings, progress=False).runs}
+
+    mixed, alone = runs(one), runs(apart)
+    for label in mixed:
+        for key in ("test_error", "train_error", "mean_staleness", "virtual_time"):
+            np.testing.assert_allclose(mixed[label][key], alone[label][key], rtol=1e-5, err_msg=f"{label} {key}")
+
+
+def _leaderboard_runs() -> list[dict]:
+    """Made-up runs of two rules in two clusters, with a tuned lr (and a diverged setting)."""
+    runs = []
+    for cluster in ("uniform", "slow"):
+        for seed in (0, 1):
+            for lr, err in ((0.1, 0.30), (0.2, 0.20), (0.4, math.nan)):
+                runs.append(
+                    {
+                        "label": "A",
+                        "M": 4,
+                        "cluster": cluster,
+                        "lr": lr,
+                        "seed": seed,
+                        "train_error": err,
+                        "test_error": err + 0.01 * seed,
+                        "time_to_target": 10.0 * lr,
+                    }
+                )
+            runs.append(
+                {
+                    "label": "SGD",
+                    "M": 4,
+                    "cluster": cluster,
+                    "lr": 0.1,
+                    "seed": seed,
+                    "train_error": 0.1,
+                    "test_error": 0.1,
+                    "time_to_target": 5.0,
+                }
+            )
+    return runs
+
+
+def test_best_tuned_picks_by_training_error_and_a_diverged_setting_never_wins():
+    study = studies.load("staleness_leaderboard")
+    kept, picks = studies.best_tuned(study, _leaderboard_runs())
+    assert {(r["cluster"], r["label"], r["lr"]) for r in kept} == {(c, "A", 0.2) for c in ("uniform", "slow")} | {
+        (c, "SGD", 0.1) for c in ("uniform", "slow")
+    }
+    assert len(kept) == 8 and picks[("uniform", "A", 4)] == {"lr": 0.2}
+    untuned = dataclasses.replace(study, tune=())
+    runs = _leaderboard_runs()
+    assert studies.best_tuned(untuned, runs) == (runs, {})  # without tune: every run, no picks
+
+
+def test_facets_give_one_table_each_with_both_metrics_and_the_picks():
+    study = studies.load("staleness_leaderboard")
+    table = studies.format_table(study, _leaderboard_runs(), 2)
+    for cluster in ("uniform", "slow"):
+        assert table.count(f"cluster = {cluster}") == 3  # test error, time to target, picks
+    assert "| A | 20.50 ± 0.71 |" in table  # lr 0.2's runs: test errors 0.20 and 0.21
+    assert "| A | 2.00 ± 0.00 |" in table  # its time to target
+    assert "| A | lr 0.2 |" in table and "| SGD | lr 0.1 |" in table
+    assert "each cell the best of its lr, lambda grid by training error" in table

@@ -1,0 +1,127 @@
+"""Staleness leaderboard: the mitigation methods since DC-ASGD under the same delays, each at its best learning rate.
+
+Rules: ASGD; DC-ASGD-c and -a (Zheng et al. 2017); staleness-aware (Zhang et al. 2016: lr / tau); delay-adaptive
+(lr / (1 + tau/M), after Sra et al. 2016); Gap-Aware (Barkai et al. 2020); DANA-Zero (Hakimi et al. 2019: momentum per
+worker and a look-ahead pull); Delayed Nesterov (Liu et al. 2024: local-SGD workers, n_sync 4, pushing deltas); SSGD
+and sequential SGD (one worker) as references. Clusters of M in {4, 16, 32} workers: uniform (exponential compute
+times), half the cluster at half speed, and a fixed delay (constant compute times: every gradient is M - 1 updates
+stale, round robin). Each rule's learning rate (and DC-ASGD's lambda_0) is tuned on a small grid in the same sweep;
+a cell shows the setting with the lowest final training error, mean ± std over the seeds of its final test error and
+its virtual time to the target training error.
+
+Command:   asgd-jax run staleness_leaderboard --quick --out results/staleness_leaderboard   (minutes on 2 cores)
+Full form: asgd-jax run staleness_leaderboard --out results/staleness_leaderboard_full      (CIFAR-10 ResNet-20, GPU)
+Expected:  every rule is close to sequential SGD at M = 4 and falls behind it as M grows; ASGD degrades most with M,
+           the stale-aware rules (DC-ASGD, Gap-Aware, staleness-aware) less; SSGD is unaffected by staleness but takes
+           far fewer updates for the same epochs; Delayed Nesterov trades staleness for local steps.
+"""
+
+import dataclasses
+
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
+
+WORKERS = (4, 16, 32)
+
+
+def clusters(m: int) -> dict[str, dict]:
+    """The three clusters of ``m`` workers (``Workers`` arguments)."""
+    return {
+        "uniform": {},
+        "half at half speed": {"speeds": (0.5,) * (m // 2) + (1.0,) * (m - m // 2)},
+        "fixed delay": {"compute_time": "constant"},
+    }
+
+
+#: The learning-rate grid, as multiples of the settings' learning rate (the largest); DANA's momentum 0.9 takes a
+#: fifth of it, SSGD's mean of M gradients twice it, Delayed Nesterov's outer rate on deltas is its own.
+LR_GRID = (0.25, 0.5, 1.0)
+DN_OUTER = (0.5, 1.0, 2.0)
+LAM_C = (0.04, 0.2)
+LAM_A = (1.0, 4.0)
+
+
+def _lrs(s: Settings, scale: float = 1.0) -> list[float]:
+    return [round(scale * f * s.learning_rate, 6) for f in LR_GRID]
+
+
+def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
+    """Every rule's runs for one cell (M, cluster): the learning-rate (and lambda_0) grid in the variants. The
+    asynchronous push rules share one program (the rule itself is traced); local SGD and SSGD exchange differently."""
+    c = {"M": m, "cluster": cluster}
+    push = [Variant("ASGD", lr=lr) for lr in _lrs(s)]
+    push += [Variant("DC-ASGD-c", lam=lam, lr=lr, coords={"lambda": lam}) for lr in _lrs(s) for lam in LAM_C]
+    push += [
+        Variant("DC-ASGD-a", lam=lam, adaptive=True, lr=lr, coords={"lambda": lam}) for lr in _lrs(s) for lam in LAM_A
+    ]
+    for label, rule, scale in [
+        ("staleness-aware", "staleness_aware", 1.0),
+        ("delay-adaptive", "delay_adaptive", 1.0),
+        ("Gap-Aware", "gap_aware", 1.0),
+        ("DANA-Zero", "dana", 0.2),
+    ]:
+        push += [Variant(label, rule=rule, lr=lr) for lr in _lrs(s, scale)]
+    # Delayed Nesterov's grid is of the outer learning rate on the pushed deltas (1.0 adds their mean); the workers'
+    # local steps use half the settings' learning rate.
+    outer = tuple(Variant("Delayed Nesterov", rule="delayed_nesterov", lr=f) for f in DN_OUTER)
+    return [
+        Arm(c, workers=m, worker_kwargs=kwargs, variants=tuple(push)),
+        Arm(
+            c,
+            workers=m,
+            worker_kwargs=kwargs,
+            variants=outer,
+            n_sync=4,
+            push="delta",
+            local_lr=0.5 * s.learning_rate,
+            rule_options={"buffer_size": m},
+        ),
+        Arm(
+            c,
+            workers=m,
+            worker_kwargs=kwargs,
+            mode="sync",
+            variants=tuple(Variant("SSGD", lr=lr) for lr in _lrs(s, 2.0)),
+        ),
+    ]
+
+
+def arms(s: Settings, quick: bool) -> list[Arm]:
+    out = [
+        Arm(
+            {"M": "—", "cluster": "—"},
+            workers=1,
+            variants=tuple(Variant("SGD (1 worker)", rule="sgd", lr=lr) for lr in _lrs(s, 2.0)),
+            for_every={"M": s.workers, "cluster": tuple(clusters(1))},
+        )
+    ]
+    for cluster in clusters(1):
+        for m in s.workers:
+            out += rule_arms(s, m, cluster, clusters(m)[cluster])
+    return out
+
+
+STUDY = Study(
+    name="staleness_leaderboard",
+    title="Staleness leaderboard: final test error at each rule's best learning rate",
+    reproduces=__doc__,
+    quick=Settings(
+        dataset="mnist1d",
+        model="cnn",
+        model_options={"features": (8, 16), "hidden": 32},  # a third of the default's cost per example
+        seeds=(0, 1, 2, 3, 4),
+        epochs=6.0,
+        learning_rate=0.4,
+        evals=8,
+        window=100,
+        workers=WORKERS,
+        target_error=0.5,
+    ),
+    full=dataclasses.replace(DCASGD_CIFAR10, workers=WORKERS, target_error=0.3),
+    arms=arms,
+    rows="label",
+    columns="M",
+    facet="cluster",
+    tune=("lr", "lambda"),
+    also=("time_to_target",),
+    curves_x=(),
+)
