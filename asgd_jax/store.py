@@ -48,6 +48,21 @@ CHECKPOINT = "checkpoint.npz"
 TRACE = "trace.jsonl"
 
 
+def _check_options(on_nonfinite, num_workers, checkpoint_every, snapshot_every, max_nonfinite) -> None:
+    """The store's own argument checks (the trainer's config checks them first, with the flags' names)."""
+    if on_nonfinite not in ("reject", "stop"):
+        raise errors.ConfigError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise errors.ConfigError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
+    for name, value in (
+        ("checkpoint_every", checkpoint_every),
+        ("snapshot_every", snapshot_every),
+        ("max_nonfinite", max_nonfinite),
+    ):
+        if value is not None:
+            errors.positive_int(name, value)
+
+
 class BadPush(ValueError):
     """A push that does not fit the model (structure, shape, dtype) or holds NaN/Inf."""
 
@@ -107,17 +122,7 @@ class ParameterStore:
         on_snapshot=None,
         max_nonfinite: int | None = None,
     ):
-        if on_nonfinite not in ("reject", "stop"):
-            raise errors.ConfigError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise errors.ConfigError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
-        for name, value in (
-            ("checkpoint_every", checkpoint_every),
-            ("snapshot_every", snapshot_every),
-            ("max_nonfinite", max_nonfinite),
-        ):
-            if value is not None:
-                errors.positive_int(name, value)
+        _check_options(on_nonfinite, num_workers, checkpoint_every, snapshot_every, max_nonfinite)
         # Consecutive non-finite pushes that stop the run: a diverged model pushes nothing else, forever.
         self.max_nonfinite = max_nonfinite or 10 * num_workers
         self._nonfinite_streak = 0
@@ -147,16 +152,7 @@ class ParameterStore:
         self._structure = jax.tree.structure(state.params)
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self._stateful = model_state is not None
-        # The very same server step the simulator scans, jitted for the host.
-        # A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
-        # The state is donated: the server updates weights, rule state and the M backups in place instead of copying
-        # (M + 2) x params per push, which made the store as slow as a gradient (benchmarks/trainer_overhead.py).
-        self._exchange = jax.jit(lambda s, w, g, ms: server.exchange(rule, s, w, g, ms), donate_argnums=0)
-        self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
-        # What a worker gets back: the weights, or a pull-side rule's look-ahead (its backup), on the store's device.
-        self._sends = server.has_pull(rule)
-        self._sent = jax.jit(lambda s, w: (server.snapshot(s, w)[0], s.model_state))
-        self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
+        self._compile(rule)
         self._lock = threading.Lock()
         # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
         self._round: dict[int, tuple] = {}
@@ -176,6 +172,20 @@ class ParameterStore:
         self._writer.start()
         self._applier = threading.Thread(target=self._apply_loop, daemon=True, name="store-applier")
         self._applier.start()
+
+    def _compile(self, rule: optax.GradientTransformation) -> None:
+        """The very same server step the simulator scans, jitted for the host.
+
+        A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
+        The state is donated: the server updates weights, rule state and the M backups in place instead of copying
+        (M + 2) x params per push, which made the store as slow as a gradient (benchmarks/trainer_overhead.py).
+        """
+        self._exchange = jax.jit(lambda s, w, g, ms: server.exchange(rule, s, w, g, ms), donate_argnums=0)
+        self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
+        # What a worker gets back: the weights, or a pull-side rule's look-ahead (its backup), on the store's device.
+        self._sends = server.has_pull(rule)
+        self._sent = jax.jit(lambda s, w: (server.snapshot(s, w)[0], s.model_state))
+        self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
 
     # -- the worker-facing API ----------------------------------------------------------------------------------------
 

@@ -164,6 +164,15 @@ class Arm:
     def label(self, variant: Variant) -> str:
         return variant.label if self.series is None else self.series.format(label=variant.label, **self.coords)
 
+    @property
+    def description(self) -> str:
+        """The progress bar's label: which arm is running (where, how, which rules)."""
+        where = f"tau={self.tau}" if self.tau is not None else f"M={self.workers}"
+        what = ", ".join(dict.fromkeys(self.label(v) for v in self.variants))  # each label once, in order
+        extra = "" if self.n_sync == 1 else f" n_sync={self.n_sync}"
+        extra += "".join(f", {c}" for c in self.coords.values() if isinstance(c, str) and c != "—")  # the cluster
+        return f"{where} {self.mode}{extra}{' warm' if self.warm else ''}: {what}"[:72]
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -479,14 +488,6 @@ def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
     return _Setup(ds, loss_fn, eval_fn, (params0, model_state0), warm)
 
 
-def _arm_description(arm: Arm) -> str:
-    """The progress bar's label: which arm is running."""
-    where = f"tau={arm.tau}" if arm.tau is not None else f"M={arm.workers}"
-    what = ", ".join(arm.label(v) for v in arm.variants)
-    extra = "" if arm.n_sync == 1 else f" n_sync={arm.n_sync}"
-    return f"{where} {arm.mode}{extra}{' warm' if arm.warm else ''}: {what}"[:60]
-
-
 def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list[dict], dict[str, dict]]:
     """One arm (one compiled sweep over its variants x seeds): its runs and mean curves."""
     n = len(setup.ds.y_train)
@@ -518,7 +519,7 @@ def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list
         eval_fn=setup.eval_fn,
         eval_every=interval,
         progress=progress,
-        description=_arm_description(arm),
+        description=arm.description,
     )
     mx = result.metrics
     seeds = np.repeat(np.asarray(s.seeds), len(variants))
@@ -731,10 +732,11 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     return "\n".join(lines)
 
 
-def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list) -> None:
-    """One panel of the final metric: lines against numeric rows, grouped bars over named ones (rules)."""
+def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list, labels: bool) -> bool:
+    """One panel of the final metric: lines against numeric rows, grouped bars over named ones (rules), an x where a
+    bar has no value (the target not reached, or diverged). Returns whether it drew an x."""
     numeric = all(isinstance(r, int | float) for r in rows)
-    width = 0.8 / max(len(cols), 1)
+    width, missing = 0.8 / max(len(cols), 1), False
     for j, col in enumerate(cols):
         pts = [(r, *cells[(facet, r, col)]) for r in rows if (facet, r, col) in cells]
         if numeric:
@@ -742,14 +744,47 @@ def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, 
             ax.errorbar(x, [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=str(col))
         else:
             x = [rows.index(p[0]) + (j - (len(cols) - 1) / 2) * width for p in pts]
-            ax.bar(x, [p[1] for p in pts], width, yerr=[p[2] for p in pts], capsize=2, label=f"{study.columns} {col}")
+            bars = ax.bar(
+                x, [p[1] for p in pts], width, yerr=[p[2] for p in pts], capsize=2, label=f"{study.columns} {col}"
+            )
+            none = [xi for xi, p in zip(x, pts, strict=True) if not math.isfinite(p[1])]
+            ax.plot(none, [0.0] * len(none), "x", color=bars.patches[0].get_facecolor(), ms=6, mew=1.5, clip_on=False)
+            missing = missing or bool(none)
     if numeric and len(rows) > 2 and min(rows) > 0 and max(rows) / min(rows) >= 8:
         ax.set_xscale("log", base=2)
     if not numeric:
-        ax.set_xticks(range(len(rows)), [str(r) for r in rows], rotation=35, ha="right", fontsize=8)
+        ax.set_xticks(range(len(rows)), [str(r) for r in rows] if labels else [], rotation=35, ha="right", fontsize=8)
     else:
         ax.set_xlabel(study.rows)
     ax.grid(alpha=0.3, axis="y" if not numeric else "both")
+    return missing
+
+
+def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str):
+    """The figure of one metric: line panels side by side over numeric rows; bar panels (a group per rule) stacked,
+    so that a README page shows them at a readable size."""
+    import matplotlib.pyplot as plt
+
+    facets, rows, cols = _layout(study, cells)
+    numeric = all(isinstance(r, int | float) for r in rows)
+    width = max(4.5, (1.0 if numeric else 0.5 + 0.12 * len(cols)) * len(rows))
+    shape, size = ((1, len(facets)), (width * len(facets) ** 0.8, 4.2))
+    if not numeric:
+        shape, size = ((len(facets), 1), (width, 1.2 + 2.6 * len(facets)))
+    fig, axes = plt.subplots(*shape, figsize=size, squeeze=False, sharey=True)
+    axes, missing = list(axes.flat), False
+    for ax, facet in zip(axes, facets, strict=True):
+        missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1])
+        if study.facet:
+            ax.set_title(f"{study.facet} = {facet}", fontsize=9)
+    axes[0 if numeric else len(axes) // 2].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
+    axes[-1 if numeric else 0].legend(fontsize=7, ncol=1 if numeric else len(cols))
+    tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
+    note = "\nx: no value (the target not reached in some seed, or diverged)" if missing else ""
+    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {METRICS[metric]}"
+    fig.suptitle(f"{title}{tuned}{note}", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
@@ -764,20 +799,7 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     runs, _ = best_tuned(study, result.runs)
     for metric in (study.metric, *study.also):
         cells = _cell_values(study, runs, metric)
-        facets, rows, cols = _layout(study, cells)
-        wide = 1.0 if all(isinstance(r, int | float) for r in rows) else 0.5 + 0.12 * len(cols)
-        fig, axes = plt.subplots(
-            1, len(facets), figsize=(max(4.5, wide * len(rows)) * len(facets) ** 0.8, 4.2), squeeze=False, sharey=True
-        )
-        for ax, facet in zip(axes[0], facets, strict=True):
-            _final_axes(ax, study, cells, facet, rows, cols)
-            if study.facet:
-                ax.set_title(f"{study.facet} = {facet}", fontsize=9)
-        axes[0][0].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
-        axes[0][-1].legend(fontsize=7)
-        tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
-        fig.suptitle(f"{study.title}{tuned}", fontsize=10)
-        fig.tight_layout()
+        fig = _final_figure(study, cells, metric)
         paths.append(os.path.join(folder, "final.png" if metric == study.metric else f"final_{metric}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)

@@ -220,3 +220,15 @@ def test_facets_give_one_table_each_with_both_metrics_and_the_picks():
     assert "| A | 2.00 ± 0.00 |" in table  # its time to target
     assert "| A | lr 0.2 |" in table and "| SGD | lr 0.1 |" in table
     assert "each cell the best of its lr, lambda grid by training error" in table
+
+
+def test_a_progress_bar_names_its_arm_each_rule_once_and_its_cluster():
+    study = studies.load("staleness_leaderboard")
+    arms = study.arms(study.quick, True)
+    push = next(a for a in arms if a.coords == {"M": 16, "cluster": "half at half speed"} and a.mode == "async")
+    assert (
+        push.description
+        == ("M=16 async, half at half speed: ASGD, DC-ASGD-c, DC-ASGD-a, staleness-aware, delay-adaptive, Gap-Aw")[:72]
+    )
+    ssgd = next(a for a in arms if a.coords == {"M": 4, "cluster": "fixed delay"} and a.mode == "sync")
+    assert ssgd.description == "M=4 sync, fixed delay: SSGD"
