@@ -28,7 +28,10 @@ STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync spee
 studies: $(STAMP)
 	for s in $(STUDIES); do $(BIN)/asgd-jax run $$s --quick --out results/studies/$$s || exit 1; done
 	$(BIN)/asgd-jax report results/studies
-	mkdir -p docs/results && for s in $(STUDIES); do cp results/studies/$$s/final.png docs/results/$$s.png; done
+	mkdir -p docs/results && for s in $(STUDIES); do \
+		cp results/studies/$$s/final.png docs/results/$$s.png; \
+		for f in results/studies/$$s/final_*.png; do [ ! -e "$$f" ] || cp "$$f" "docs/results/$${s}_$${f##*/final_}"; done; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -745,11 +745,19 @@ def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, 
         else:
             x = [rows.index(p[0]) + (j - (len(cols) - 1) / 2) * width for p in pts]
             bars = ax.bar(
-                x, [p[1] for p in pts], width, yerr=[p[2] for p in pts], capsize=2, label=f"{study.columns} {col}"
+                x,
+                [p[1] for p in pts],
+                width,
+                yerr=[p[2] for p in pts],
+                capsize=2,
+                label=str(col) if study.columns == "label" else f"{study.columns} {col}",
             )
             none = [xi for xi, p in zip(x, pts, strict=True) if not math.isfinite(p[1])]
-            ax.plot(none, [0.0] * len(none), "x", color=bars.patches[0].get_facecolor(), ms=6, mew=1.5, clip_on=False)
-            missing = missing or bool(none)
+            if none:  # (an empty line drawn unclipped would stretch the panel's layout box to the figure's origin)
+                ax.plot(
+                    none, [0.0] * len(none), "x", color=bars.patches[0].get_facecolor(), ms=6, mew=1.5, clip_on=False
+                )
+                missing = True
     if numeric and len(rows) > 2 and min(rows) > 0 and max(rows) / min(rows) >= 8:
         ax.set_xscale("log", base=2)
     if not numeric:
@@ -770,20 +778,19 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str):
     width = max(4.5, (1.0 if numeric else 0.5 + 0.12 * len(cols)) * len(rows))
     shape, size = ((1, len(facets)), (width * len(facets) ** 0.8, 4.2))
     if not numeric:
-        shape, size = ((len(facets), 1), (width, 1.2 + 2.6 * len(facets)))
-    fig, axes = plt.subplots(*shape, figsize=size, squeeze=False, sharey=True)
+        shape, size = ((len(facets), 1), (width, max(4.2, 1.2 + 2.6 * len(facets))))
+    fig, axes = plt.subplots(*shape, figsize=size, squeeze=False, sharey=True, layout="constrained")
     axes, missing = list(axes.flat), False
     for ax, facet in zip(axes, facets, strict=True):
         missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1])
         if study.facet:
             ax.set_title(f"{study.facet} = {facet}", fontsize=9)
     axes[0 if numeric else len(axes) // 2].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
-    axes[-1 if numeric else 0].legend(fontsize=7, ncol=1 if numeric else len(cols))
+    axes[-1 if numeric else 0].legend(fontsize=7, ncol=len(cols) if len(axes) > 1 and not numeric else 1)
     tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
     note = "\nx: no value (the target not reached in some seed, or diverged)" if missing else ""
     title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {METRICS[metric]}"
     fig.suptitle(f"{title}{tuned}{note}", fontsize=10)
-    fig.tight_layout()
     return fig
 
 

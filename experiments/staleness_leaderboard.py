@@ -9,7 +9,7 @@ in {4, 16, 32} workers: uniform (exponential compute times), half the cluster at
 lambda_0) is tuned on a small grid in the same sweep; a cell shows the setting with the lowest final training error,
 mean ± std over the seeds of its final test error and its virtual time to the target training error.
 
-Command:   asgd-jax run staleness_leaderboard --quick --out results/staleness_leaderboard   (minutes on 2 cores)
+Command:   asgd-jax run staleness_leaderboard --quick --out results/staleness_leaderboard   (~37 minutes on 2 cores)
 Full form: asgd-jax run staleness_leaderboard --out results/staleness_leaderboard_full      (CIFAR-10 ResNet-20, GPU)
 Expected:  every rule is close to sequential SGD at M = 4 and falls behind it as M grows; ASGD degrades most with M,
            the stale-aware rules (DC-ASGD, Gap-Aware, staleness-aware) less; SSGD is unaffected by staleness but takes

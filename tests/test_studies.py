@@ -232,3 +232,25 @@ def test_a_progress_bar_names_its_arm_each_rule_once_and_its_cluster():
     )
     ssgd = next(a for a in arms if a.coords == {"M": 4, "cluster": "fixed delay"} and a.mode == "sync")
     assert ssgd.description == "M=4 sync, fixed delay: SSGD"
+
+
+def test_faceted_bar_plots_stack_their_panels_and_lay_out_with_missing_values(tmp_path):
+    """One panel per cluster, stacked (a README-width figure), and a cell with no value (the target never reached)
+    drawn as a mark: matplotlib lays the figure out without a warning (an empty unclipped mark once collapsed it)."""
+    import warnings
+
+    import matplotlib.image
+
+    study = studies.load("staleness_leaderboard")
+    runs = _leaderboard_runs()
+    for r in runs:
+        if r["label"] == "SGD" and r["cluster"] == "slow":
+            r["time_to_target"] = math.inf  # not reached
+    result = studies.StudyResult(study, study.quick, True, runs, {}, 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # matplotlib's layout warnings
+        paths = studies.plot(result, tmp_path)
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["final.png", "final_time_to_target.png"]
+    for p in paths:
+        height, width, _ = matplotlib.image.imread(p).shape
+        assert height > width  # two stacked panels

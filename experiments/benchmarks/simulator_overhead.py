@@ -25,8 +25,8 @@ of one gradient) and as a fraction of this machine's float32 matmul peak measure
 floor vmapped over 16 runs (the best a hand-written sweep does); and the simulator's state and XLA memory versus the
 number of workers M. Repeats are interleaved, so drift on a shared machine hits all engines alike; medians are shown.
 
-    .venv/bin/python experiments/benchmarks/simulator_overhead.py            # ~12 minutes on 2 cores
-    .venv/bin/python experiments/benchmarks/simulator_overhead.py --quick    # ~4 minutes
+    .venv/bin/python experiments/benchmarks/simulator_overhead.py            # ~8 minutes on 2 cores
+    .venv/bin/python experiments/benchmarks/simulator_overhead.py --quick    # ~3 minutes
 """
 
 from __future__ import annotations
