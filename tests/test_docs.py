@@ -59,3 +59,24 @@ def test_notebooks_carry_no_outputs_and_only_import_the_library():
         for allowed in own:
             source = source.replace(allowed, "")
         assert "def " not in source, name  # no logic of their own beyond that
+
+
+def test_every_image_and_file_the_docs_point_at_is_in_the_repository():
+    """README.md and ARCHITECTURE.md link only files that git tracks (not generated results, nothing outside)."""
+    import re
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tracked = set(
+        subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    )
+    for doc in ("README.md", "ARCHITECTURE.md", "experiments/benchmarks/README.md"):
+        text = (root / doc).read_text()
+        links = re.findall(r"\]\(([^)#\s]+)\)", text)
+        local = [link for link in links if "://" not in link]
+        base = pathlib.Path(doc).parent
+        for link in local:
+            path = pathlib.PurePosixPath(base / link).as_posix()
+            assert path in tracked or any(t.startswith(path.rstrip("/") + "/") for t in tracked), f"{doc} -> {link}"
+        assert "../shared" not in text, doc
+    assert "docs/results/staleness_leaderboard.png" in tracked
