@@ -411,6 +411,8 @@ def _add_run(sub) -> None:
     p.add_argument("--quick", action="store_true", help="the quick form")
     p.add_argument("--out", default=None, help="output folder [results/<study>]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 instead of the form's [the form's]")
+    p.add_argument("--epochs", type=float, default=None, help="effective epochs per run [the form's]")
     p.set_defaults(func=_run_study)
     r = sub.add_parser(
         "report",
@@ -433,13 +435,21 @@ def _run_study(args: argparse.Namespace) -> int:
     study = studies.load(args.study)
     out = args.out or f"results/{study.name}"
     settings = study.quick if args.quick else study.full
+    if args.seeds is not None:  # a shorter look at a long study: fewer seeds, fewer epochs
+        settings = dataclasses.replace(
+            settings, seeds=tuple(range(errors.positive_int("seeds", args.seeds, "--seeds")))
+        )
+    if args.epochs is not None:
+        settings = dataclasses.replace(
+            settings, epochs=errors.finite_number("epochs", args.epochs, positive=True, flag="--epochs")
+        )
     print(f"asgd-jax run {study.name} ({'quick' if args.quick else 'full'} form): {study.title}", flush=True)
     print(
         f"{settings.dataset}/{settings.model}, {len(settings.seeds)} seed(s), {settings.epochs:g} epochs, "
         f"{len(study.arms(settings, args.quick))} compiled programs -> {out}",
         flush=True,
     )
-    result = studies.run(study, quick=args.quick, progress=not args.no_progress)
+    result = studies.run(study, quick=args.quick, progress=not args.no_progress, settings=settings)
     paths = studies.save(result, out)
     print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")
     print("Wrote " + ", ".join(paths.values()))

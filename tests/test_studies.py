@@ -254,3 +254,19 @@ def test_faceted_bar_plots_stack_their_panels_and_lay_out_with_missing_values(tm
     for p in paths:
         height, width, _ = matplotlib.image.imread(p).shape
         assert height > width  # two stacked panels
+
+
+def test_run_takes_fewer_seeds_and_epochs_from_the_command_line(tmp_path, capsys):
+    """`asgd-jax run <study> --quick --seeds N --epochs E`: a shorter look at a long study, the rest its quick form."""
+    assert main(["run", "dcasgd_lambda_sweep", "--seeds", "0"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert main(["run", "dcasgd_lambda_sweep", "--epochs", "nan"]) == 2
+    assert "--epochs" in capsys.readouterr().err
+    out = tmp_path / "short"
+    args = ["run", "dcasgd_lambda_sweep", "--quick", "--seeds", "1", "--epochs", "0.5", "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 0
+    saved = json.loads((out / "results.json").read_text())
+    quick = studies.load("dcasgd_lambda_sweep").quick
+    assert saved["settings"]["seeds"] == [0] and saved["settings"]["epochs"] == 0.5
+    assert saved["settings"]["dataset"] == quick.dataset and saved["settings"]["model"] == quick.model
+    assert len(saved["runs"]) == 10 and {r["seed"] for r in saved["runs"]} == {0}  # 10 variants x 1 seed
