@@ -652,6 +652,19 @@ def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str,
     return kept, picks
 
 
+def _grid_edges(study: Study, runs: list[dict[str, Any]], picks: dict[tuple, dict[str, Any]]) -> dict[tuple, set]:
+    """Per cell, the tuned coordinates whose pick is the smallest or largest of 3 or more values tried there."""
+    tried: dict[tuple, dict[str, set]] = {}
+    for r in runs:
+        for k in study.tune:
+            if r.get(k) is not None:
+                tried.setdefault(_cell(study, r), {}).setdefault(k, set()).add(r[k])
+    return {
+        cell: {k for k, v in p.items() if len(grid := tried[cell][k]) >= 3 and v in (min(grid), max(grid))}
+        for cell, p in picks.items()
+    }
+
+
 def _cell_values(study: Study, runs: list[dict[str, Any]], metric: str | None = None) -> dict[tuple, tuple]:
     """``{(facet, row, column): (mean, std)}`` of ``metric`` (default: the study's) over the seeds."""
     metric = metric or study.metric
@@ -694,10 +707,10 @@ def _grid(study: Study, cells: dict[tuple, Any], text: Callable[[Any], str]) -> 
 def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> str:
     """The study's Markdown table(s) (mean ± std over seeds): one per facet value and metric, the tuned picks, and the
     paper's numbers beside ours when given."""
-    runs, picks = best_tuned(study, runs)
+    kept, picks = best_tuned(study, runs)
     lines: list[str] = []
     for metric in (study.metric, *study.also):
-        cells = _cell_values(study, runs, metric)
+        cells = _cell_values(study, kept, metric)
         what = METRICS[metric]
         if metric == "speedup":
             what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
@@ -714,10 +727,15 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
             lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
     if picks:
+        edges = _grid_edges(study, runs, picks)
         lines += ["", f"The tuned settings picked (lowest training error over {', '.join(study.tune)})"]
-        lines += ([] if study.facet else [""]) + _grid(
-            study, picks, lambda p: ", ".join(f"{k} {v:g}" for k, v in p.items()) if p else ""
-        )
+        marked = {
+            cell: ", ".join(f"{k} {v:g}{'*' if k in edges[cell] else ''}" for k, v in p.items())
+            for cell, p in picks.items()
+        }
+        lines += ([] if study.facet else [""]) + _grid(study, marked, str)
+        if any(edges.values()):
+            lines += ["", "*: the edge of its grid (of 3 or more values): a wider grid may do better."]
     if study.paper:
         pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
         lines += [

@@ -218,8 +218,11 @@ def test_facets_give_one_table_each_with_both_metrics_and_the_picks():
         assert table.count(f"cluster = {cluster}") == 3  # test error, time to target, picks
     assert "| A | 20.50 ± 0.71 |" in table  # lr 0.2's runs: test errors 0.20 and 0.21
     assert "| A | 2.00 ± 0.00 |" in table  # its time to target
-    assert "| A | lr 0.2 |" in table and "| SGD | lr 0.1 |" in table
-    assert "each cell the best of its lr, lambda grid by training error" in table
+    assert "| A | lr 0.2 |" in table and "| SGD | lr 0.1 |" in table  # 0.2: inside A's grid; SGD: one value
+    assert "each cell the best of its lr, lambda grid by training error" in table and "*: the edge" not in table
+    edge = [dict(r, train_error=0.05) if r["label"] == "A" and r["lr"] == 0.1 else r for r in _leaderboard_runs()]
+    table = studies.format_table(study, edge, 2)
+    assert "| A | lr 0.1* |" in table and "*: the edge of its grid" in table  # the smallest of 0.1, 0.2, 0.4
 
 
 def test_a_progress_bar_names_its_arm_each_rule_once_and_its_cluster():
