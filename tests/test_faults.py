@@ -16,10 +16,9 @@ import sys
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss, simulate_clean
 
 import asgd_jax
 from asgd_jax import checkpoint
@@ -147,7 +146,7 @@ def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_check
         f"""
         import sys; sys.path.insert(0, "tests")
         import jax, asgd_jax
-        from helpers.problems import DATA, W0, lsq_loss
+        from helpers.problems import DATA, W0, lsq_loss, simulate_clean
         from asgd_jax.errors import RunStopped
         from asgd_jax.trainer import TrainConfig, train
         config = TrainConfig(workers=2, num_updates=2000, batch_size=8, out={str(tmp_path)!r}, checkpoint_every=10,
@@ -240,17 +239,7 @@ def test_a_half_written_trace_line_is_cut_on_resume_and_the_trace_still_replays(
     assert result.resumed_from == 20 and result.pushes_applied == 30
     loaded = asgd_jax.delays.Trace.load(trace)
     assert len(loaded) == 30 and loaded.num == 2
-    replay = asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=loaded,
-        batch_size=8,
-        num_updates=30,
-        key=jax.random.key(3),
-        progress=False,
-    )
+    replay = simulate_clean(rule(), loaded, 30, batch_size=8)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
 
 
@@ -289,17 +278,7 @@ def test_the_trace_records_the_worker_count_for_a_worker_that_never_pushed(tmp_p
     result = train(lsq_loss, rule(), W0, DATA, config, devices=jax.devices()[:3])
     trace = asgd_jax.delays.Trace.load(result.trace_path)  # the README's recipe, without num=
     assert trace.num == 3
-    replay = asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=trace,
-        batch_size=8,
-        num_updates=24,
-        key=jax.random.key(3),
-        progress=False,
-    )
+    replay = simulate_clean(rule(), trace, 24, batch_size=8)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W1, BatchOrder, lsq_loss, simulate_lsq
+from helpers.problems import DATA, W1, BatchOrder, lsq_loss, simulate_clean, simulate_lsq
 from helpers.reference import lsq_grad
 
 import asgd_jax
@@ -135,17 +135,8 @@ def test_a_pull_side_rule_replays_from_a_trainer_trace(tmp_path, mode):
     config = TrainConfig(workers=3, num_updates=30, batch_size=8, seed=2, mode=mode, out=str(tmp_path), progress=False)
     result = train(lsq_loss, rule(), W1, DATA, config, devices=jax.devices()[:3])
     trace = delays.Trace.load(result.trace_path)
-    replay = asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W1),
-        DATA,
-        batch_size=8,
-        num_updates=30,
-        key=jax.random.key(2),
-        progress=False,
-        mode=mode,
-        delays=trace if mode == "async" else delays.Workers(3),
+    replay = simulate_clean(
+        rule(), trace if mode == "async" else delays.Workers(3), 30, key=2, params=W1, batch_size=8, mode=mode
     )
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
 

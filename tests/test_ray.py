@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import problems as lsq_problem
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss, simulate_clean
 
 import asgd_jax
 from asgd_jax.trainer import TrainConfig, train
@@ -52,17 +52,7 @@ def _room_for_the_next_run(local_ray):
 def replay(trace_path, steps, num=2):
     trace = asgd_jax.delays.Trace.load(trace_path, num=num)
     assert len(trace) == steps
-    return asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=trace,
-        batch_size=4,
-        num_updates=steps,
-        key=jax.random.key(3),
-        progress=False,
-    ).params
+    return simulate_clean(rule(), trace, steps).params
 
 
 def _train_in_thread(**kwargs):
@@ -179,18 +169,7 @@ def test_sync_mode_on_ray_is_the_simulators_ssgd(local_ray):
     )
     assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
     assert [w.pushes for w in result.workers] == [12, 12]
-    sim = asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=asgd_jax.delays.Workers(2),
-        mode="sync",
-        batch_size=4,
-        num_updates=12,
-        key=key,
-        progress=False,
-    )
+    sim = simulate_clean(rule(), asgd_jax.delays.Workers(2), 12, key=key, mode="sync")
     np.testing.assert_allclose(sim.params, result.params, rtol=1e-5, atol=1e-6)
 
 
@@ -202,18 +181,7 @@ def test_in_sync_mode_a_restarted_worker_rejoins_its_round_and_the_result_is_sti
     assert killed_at < 250, "the kill came too late to test anything: make the run longer"
     result = _result(thread, box)
     assert list(result.failures) == [1] and result.pushes_applied == 300
-    sim = asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=asgd_jax.delays.Workers(2),
-        mode="sync",
-        batch_size=4,
-        num_updates=300,
-        key=key,
-        progress=False,
-    )
+    sim = simulate_clean(rule(), asgd_jax.delays.Workers(2), 300, key=key, mode="sync")
     np.testing.assert_allclose(sim.params, result.params, rtol=1e-4, atol=1e-5)
 
 

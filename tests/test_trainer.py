@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss, simulate_clean
 
 import asgd_jax
 from asgd_jax.trainer import TrainConfig, train
@@ -70,18 +70,7 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     assert not result.failures
     trace = asgd_jax.delays.Trace.load(result.trace_path, num=4)
     assert len(trace) == steps
-    replay = asgd_jax.simulate(
-        lsq_loss,
-        RULES[rule_name](),
-        jnp.asarray(W0),
-        DATA,
-        delays=trace,
-        batch_size=4,
-        num_updates=steps,
-        key=key,
-        progress=False,
-        **sync,
-    )
+    replay = simulate_clean(RULES[rule_name](), trace, steps, key=key, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
     # The trace's staleness is what the server saw.
     records = [json.loads(line) for line in pathlib.Path(result.trace_path).read_text().splitlines()]
@@ -140,19 +129,7 @@ def test_a_dropout_model_replays_exactly_too(tmp_path, n_sync):
         devices=jax.devices()[:3],
     )
     trace = asgd_jax.delays.Trace.load(result.trace_path, num=3)
-    replay = asgd_jax.simulate(
-        dropout_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=trace,
-        batch_size=4,
-        num_updates=30,
-        key=key,
-        model_state={},
-        progress=False,
-        **sync,
-    )
+    replay = simulate_clean(rule(), trace, 30, key=key, loss=dropout_loss, model_state={}, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss, simulate_clean
 
 import asgd_jax
 from asgd_jax import checkpoint
@@ -30,17 +30,7 @@ def rule():
 def replay(trace_path, steps, params=W0, num=4, batch_size=4):
     trace = asgd_jax.delays.Trace.load(trace_path, num=num)
     assert len(trace) == steps
-    return asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(params),
-        DATA,
-        delays=trace,
-        batch_size=batch_size,
-        num_updates=steps,
-        key=jax.random.key(3),
-        progress=False,
-    ).params
+    return simulate_clean(rule(), trace, steps, params=params, batch_size=batch_size).params
 
 
 def _python(script: str) -> subprocess.CompletedProcess:
@@ -57,7 +47,7 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
         import os, signal, sys
         sys.path.insert(0, "tests")
         import jax, asgd_jax.loader
-        from helpers.problems import DATA, W0, lsq_loss
+        from helpers.problems import DATA, W0, lsq_loss, simulate_clean
         from test_trainer_lifecycle import rule
         from asgd_jax.trainer import TrainConfig, train
         original = asgd_jax.loader.ShardLoader.batch
@@ -183,18 +173,7 @@ def test_sync_mode_is_the_simulators_ssgd():
     )
     assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
     assert [w.pushes for w in result.workers] == [12] * 4
-    sim = asgd_jax.simulate(
-        lsq_loss,
-        rule(),
-        jnp.asarray(W0),
-        DATA,
-        delays=asgd_jax.delays.Workers(4),
-        mode="sync",
-        batch_size=4,
-        num_updates=12,
-        key=key,
-        progress=False,
-    )
+    sim = simulate_clean(rule(), asgd_jax.delays.Workers(4), 12, key=key, mode="sync")
     np.testing.assert_allclose(sim.params, result.params, rtol=1e-5, atol=1e-6)
 
 

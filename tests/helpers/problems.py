@@ -46,6 +46,23 @@ def simulate_lsq(rule, delay_model, num_updates=40, key=0, **kwargs):
     )
 
 
+def simulate_clean(rule, delay_model, num_updates, *, key=3, params=W0, batch_size=4, loss=lsq_loss, **kwargs):
+    """``asgd_jax.simulate`` on the noiseless problem the trainer tests train (from ``W0``, batch 4 unless given),
+    no progress bar: what a trainer run's trace must replay to. ``key``: an int seed or a key."""
+    return asgd_jax.simulate(
+        loss,
+        rule,
+        jnp.asarray(params),
+        DATA,
+        delays=delay_model,
+        batch_size=batch_size,
+        num_updates=num_updates,
+        key=jax.random.key(key) if isinstance(key, int) else key,
+        progress=False,
+        **kwargs,
+    )
+
+
 class BatchOrder:
     """The documented minibatch order: shard s's j-th batch is a slice of that epoch's shard indices."""
 
