@@ -537,6 +537,24 @@ def _join(parts: Sequence[Mapping[str, np.ndarray]], axis: int, stack: bool = Fa
     return {k: join([np.asarray(p[k]) for p in parts], axis=axis) for k in parts[0]}
 
 
+def _one_run(loss_fn, rule, params, data, spec: _Spec, delays, model_state, has_aux: bool, eval_fn) -> _Program:
+    """The program of one run (what :func:`simulate` runs and :func:`lower` shows): no hyperparameters traced."""
+    delays = delays_lib.Workers(8) if delays is None else delays
+    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
+    return _program(
+        loss,
+        lambda _: rule,
+        params,
+        data,
+        spec,
+        delays_fn=lambda _: delays,
+        hparams={},
+        batched=False,
+        model_state=model_state,
+        eval_fn=eval_fn,
+    )
+
+
 def simulate(
     loss_fn: Callable,
     rule: optax.GradientTransformation,
@@ -610,22 +628,9 @@ def simulate(
       >>> int(result.metrics["staleness"].max()) > 0
       True
     """
-    delays = delays_lib.Workers(8) if delays is None else delays
     key = jax.random.key(0) if key is None else key
     spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, eval_every, on_nonfinite)
-    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
-    program = _program(
-        loss,
-        lambda _: rule,
-        params,
-        data,
-        spec,
-        delays_fn=lambda _: delays,
-        hparams={},
-        batched=False,
-        model_state=model_state,
-        eval_fn=eval_fn,
-    )
+    program = _one_run(loss_fn, rule, params, data, spec, delays, model_state, has_aux, eval_fn)
     return _run(
         program,
         keys=key,
@@ -671,23 +676,10 @@ def lower(
       >>> lowered.args_info[0][0].server.backup_params.shape  # Workers(8): one backup per worker
       (8, 3)
     """
-    delays = delays_lib.Workers(8) if delays is None else delays
     key = jax.random.key(0) if key is None else key
     length = None if length is None else errors.positive_int("length", length)
     spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, chunk=length)
-    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
-    program = _program(
-        loss,
-        lambda _: rule,
-        params,
-        data,
-        spec,
-        delays_fn=lambda _: delays,
-        hparams={},
-        batched=False,
-        model_state=model_state,
-        eval_fn=None,
-    )
+    program = _one_run(loss_fn, rule, params, data, spec, delays, model_state, has_aux, None)
     state = jax.eval_shape(program.init, key, {})
     return program.chunk(spec.chunk_length()).lower(state, program.data, key, {}, program.local_lr)
 

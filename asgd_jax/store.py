@@ -182,9 +182,8 @@ class ParameterStore:
         """
         self._exchange = jax.jit(lambda s, w, g, ms: server.exchange(rule, s, w, g, ms), donate_argnums=0)
         self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
-        # What a worker gets back: the weights, or a pull-side rule's look-ahead (its backup), on the store's device.
+        # What a worker gets back: the weights, or a pull-side rule's look-ahead, which the pull kept as its backup.
         self._sends = server.has_pull(rule)
-        self._sent = jax.jit(lambda s, w: (server.snapshot(s, w)[0], s.model_state))
         self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
 
     # -- the worker-facing API ----------------------------------------------------------------------------------------
@@ -204,7 +203,7 @@ class ParameterStore:
     def _answer_for(self, worker: int) -> tuple[Any, Any]:
         """What ``worker`` computes at after its pull, as host copies: the weights, or what a pull-side rule sent."""
         if self._sends:
-            return _host_copy(self._sent(self._state, self._id(worker)))
+            return _host_copy(self._backup(self._state, self._id(worker))[:2])
         return _host_copy((self._state.params, self._state.model_state))
 
     def push(self, worker: int, payload: Any, pulled_version: int, model_state: Any = None) -> Future:
