@@ -44,6 +44,7 @@ import optax
 import asgd_jax
 
 LR = 0.01
+HAND_WORKERS = 8
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -91,21 +92,44 @@ def num_params(params) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def floor_chunk(wl, length: int, runs: int | None = None) -> Callable:
-    """A fresh jitted chunk of ``length`` plain SGD updates (fresh: every call compiles, as a new user's would)."""
+def floor_chunk(wl, length: int, runs: int | None = None, kind: str = "sgd") -> Callable:
+    """A fresh jitted chunk of ``length`` updates (fresh: every call compiles, as a new user's would).
+
+    ``kind="sgd"`` is the floor: plain ``optax.sgd``. ``"asgd"`` and ``"dc_asgd_a"`` are the same algorithms as the
+    simulator's ``Workers(8)`` engines written by hand, nothing of ours: ``HAND_WORKERS`` per-worker backups, the
+    workers pushing in turn (worker ``t % M``: staleness M - 1), the gradient at the pusher's backup, then its pull
+    (``backups.at[m].set(w)``); DC-ASGD-a with one global MeanSquare (m = 0.95, λ0 = 2, ε = 1e-7, as
+    ``asgd_jax.dc_asgd(adaptive=True)``). What this project's engine should cost no more than.
+    """
     loss, data, batch_size = wl["loss"], wl["data"], wl["batch_size"]
     n = jax.tree.leaves(data)[0].shape[0]
     opt = optax.sgd(LR)
 
-    def chunk(carry, key):
-        def step(c, k):
-            params, opt_state = c
-            idx = jax.random.randint(k, (batch_size,), 0, n)
-            grads = jax.grad(loss)(params, jax.tree.map(lambda a: a[idx], data))
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), None
+    def gradient(params, k):
+        idx = jax.random.randint(k, (batch_size,), 0, n)
+        return jax.grad(loss)(params, jax.tree.map(lambda a: a[idx], data))
 
-        carry, _ = jax.lax.scan(step, carry, jax.random.split(key, length))
+    def sgd_step(c, k):
+        params, opt_state = c
+        updates, opt_state = opt.update(gradient(params, k), opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), None
+
+    def async_step(c, k):
+        params, mean_square, backups, t = c
+        m = t % HAND_WORKERS
+        stale = jax.tree.map(lambda b: b[m], backups)
+        g = gradient(stale, k)
+        if kind == "dc_asgd_a":
+            mean_square = jax.tree.map(lambda ms, g: 0.95 * ms + 0.05 * g * g, mean_square, g)
+            g = jax.tree.map(
+                lambda g, w, wb, ms: g + 2.0 / jnp.sqrt(ms + 1e-7) * g * g * (w - wb), g, params, stale, mean_square
+            )
+        params = jax.tree.map(lambda w, g: w - LR * g, params, g)
+        backups = jax.tree.map(lambda b, w: b.at[m].set(w), backups, params)
+        return (params, mean_square, backups, t + 1), None
+
+    def chunk(carry, key):
+        carry, _ = jax.lax.scan(sgd_step if kind == "sgd" else async_step, carry, jax.random.split(key, length))
         return carry
 
     if runs is not None:
@@ -113,13 +137,22 @@ def floor_chunk(wl, length: int, runs: int | None = None) -> Callable:
     return jax.jit(chunk, donate_argnums=0)
 
 
-def time_floor(wl, updates: int, chunks: int, runs: int | None = None) -> tuple[float, float]:
-    """``(steady seconds per update, end-to-end seconds)`` of the floor, chunked like the simulator."""
+def floor_carry(wl, kind: str = "sgd"):
+    """The first input of :func:`floor_chunk` (fresh arrays: the chunk donates it)."""
+    params = wl["params"]
+    if kind == "sgd":
+        return jax.tree.map(jnp.copy, (params, optax.sgd(LR).init(params)))
+    backups = jax.tree.map(lambda x: jnp.broadcast_to(x, (HAND_WORKERS, *x.shape)).copy(), params)
+    return jax.tree.map(jnp.copy, params), jax.tree.map(jnp.zeros_like, params), backups, jnp.int32(0)
+
+
+def time_floor(wl, updates: int, chunks: int, runs: int | None = None, kind: str = "sgd") -> tuple[float, float]:
+    """``(steady seconds per update, end-to-end seconds)`` of the floor (or a hand-written ``kind``), chunked like
+    the simulator."""
     length = updates // chunks
     start = time.perf_counter()
-    chunk = floor_chunk(wl, length, runs)
-    opt = optax.sgd(LR)
-    carry = jax.tree.map(jnp.copy, (wl["params"], opt.init(wl["params"])))  # donated below
+    chunk = floor_chunk(wl, length, runs, kind)
+    carry = floor_carry(wl, kind)
     keys = jax.random.split(jax.random.key(1), chunks)
     if runs is not None:
         carry = jax.tree.map(lambda x: jnp.broadcast_to(x, (runs, *x.shape)).copy(), carry)
@@ -174,34 +207,48 @@ def time_simulate(wl, updates: int, chunks: int, engine: str) -> tuple[float, fl
     return (stamps[-1] - stamps[0]) / ((num_updates - per_chunk) * n_sync), stamps[-1] - start
 
 
+HAND = {"Workers(8), ASGD": "asgd", "Workers(8), DC-ASGD-a": "dc_asgd_a"}  # engine -> its hand-written kind
+
+
 def compare(name: str, wl, updates: int, chunks: int, repeats: int) -> dict[str, tuple[float, float, float, float]]:
-    """Interleaved repeats; per engine the medians of (μs/update, ratio) steady and (s, ratio) end to end."""
+    """Interleaved repeats; per engine the medians of (μs/update, ratio) steady and (s, ratio) end to end, and for
+    the engines in ``HAND`` the steady ratio to the same algorithm written by hand (measured in the same repeat)."""
+    updates -= updates % (
+        4 * chunks
+    )  # equal chunks for n_sync 4 too (a shorter last chunk would compile in the timing)
     steady: dict[str, list[float]] = {}
     e2e: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     e2e_ratios: dict[str, list[float]] = {}
+    hand_ratios: dict[str, list[float]] = {}
     for _ in range(repeats):
         floor, floor_e2e = time_floor(wl, updates, chunks)
         steady.setdefault("floor", []).append(floor)
         e2e.setdefault("floor", []).append(floor_e2e)
+        hand = {kind: time_floor(wl, updates, chunks, kind=kind) for kind in HAND.values()}
         for engine in ENGINES:
             s, e = time_simulate(wl, updates, chunks, engine)
-            steady.setdefault(engine, []).append(s)
-            e2e.setdefault(engine, []).append(e)
-            ratios.setdefault(engine, []).append(s / floor)
-            e2e_ratios.setdefault(engine, []).append(e / floor_e2e)
-    out = {"floor": (statistics.median(steady["floor"]), 1.0, statistics.median(e2e["floor"]), 1.0)}
-    for engine in ENGINES:
-        out[engine] = (
-            statistics.median(steady[engine]),
-            statistics.median(ratios[engine]),
-            statistics.median(e2e[engine]),
-            statistics.median(e2e_ratios[engine]),
-        )
+            rows = [(engine, s, e)]
+            if engine in HAND:
+                rows.append((f"  hand-written {engine}", *hand[HAND[engine]]))
+                hand_ratios.setdefault(engine, []).append(s / hand[HAND[engine]][0])
+            for row, s, e in rows:
+                steady.setdefault(row, []).append(s)
+                e2e.setdefault(row, []).append(e)
+                ratios.setdefault(row, []).append(s / floor)
+                e2e_ratios.setdefault(row, []).append(e / floor_e2e)
+    med = statistics.median
+    out = {"floor": (med(steady["floor"]), 1.0, med(e2e["floor"]), 1.0)}
+    for row in ratios:
+        out[row] = (med(steady[row]), med(ratios[row]), med(e2e[row]), med(e2e_ratios[row]))
     print(f"[{name}: {num_params(wl['params']):,} parameters, batch {wl['batch_size']}, {updates} updates]")
-    print(f"  {'engine':28s} {'steady μs/update':>17s} {'ratio':>6s} {'end to end s':>13s} {'ratio':>6s}")
-    for engine, (s, r, e, er) in out.items():
-        print(f"  {engine:28s} {1e6 * s:17.1f} {r:6.2f} {e:13.2f} {er:6.2f}")
+    head = (
+        f"  {'engine':36s} {'steady μs/update':>17s} {'ratio':>6s} {'÷ hand':>7s} {'end to end s':>13s} {'ratio':>6s}"
+    )
+    print(head)
+    for row, (s, r, e, er) in out.items():
+        by_hand = f"{med(hand_ratios[row]):7.2f}" if row in hand_ratios else " " * 7
+        print(f"  {row:36s} {1e6 * s:17.1f} {r:6.2f} {by_hand} {e:13.2f} {er:6.2f}")
     print(flush=True)
     return out
 

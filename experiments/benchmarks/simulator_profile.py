@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulator_overhead as bench
@@ -39,7 +38,7 @@ def chunk_runner(wl, engine: str, length: int):
     """``(run, carry, hlo)``: one compiled chunk of ``length`` updates, its first input and its optimised HLO."""
     if engine == "floor":
         fn = bench.floor_chunk(wl, length)
-        carry = jax.tree.map(jnp.copy, (wl["params"], optax.sgd(bench.LR).init(wl["params"])))
+        carry = bench.floor_carry(wl)
         compiled = fn.lower(carry, jax.random.key(0)).compile()
         return (lambda c: compiled(c, jax.random.key(0))), carry, compiled.as_text()
     delays, rule, extra = bench.ENGINES[engine]()
