@@ -36,10 +36,11 @@ def _mix(x: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _feistel(x: jax.Array, keys: jax.Array, half: int) -> jax.Array:
+    # keys: [..., _ROUNDS], one row per leading index of x (x: [..., n]); a single row serves every x.
     mask = jnp.uint32((1 << half) - 1)
     left, right = x >> half, x & mask
     for r in range(_ROUNDS):
-        left, right = right, left ^ (_mix(right, keys[r]) & mask)
+        left, right = right, left ^ (_mix(right, keys[..., r, None]) & mask)
     return (left << half) | right
 
 
@@ -53,24 +54,36 @@ def example_index(words: jax.Array, epoch: int | jax.Array, positions: jax.Array
 
     Args:
       words: :func:`key_words` of the run's data key.
-      epoch: the epoch (int32, may be traced).
+      epoch: the epoch (int32, may be traced): a scalar, or one epoch per row of ``positions`` (shape
+        ``positions.shape[:-1]``: many minibatches of different epochs in one call, as the simulator computes a
+        chunk's whole schedule).
       positions: int positions in ``[0, num_examples)``.
       num_examples: N (static).
     """
     if num_examples < 1:
         raise errors.ConfigError(f"num_examples={num_examples!r} is invalid: need at least one example.")
     half = max(1, ((num_examples - 1).bit_length() + 1) // 2)
-    # Round keys of this epoch by integer hashing, not by a PRNG call: on CPU every threefry call is a rolled loop,
-    # and this runs once per minibatch inside the simulator's scan.
+    positions = jnp.asarray(positions)
+    x = jnp.atleast_1d(positions).astype(jnp.uint32)
     e = jnp.asarray(epoch).astype(jnp.uint32)
-    keys = _mix(words, e * jnp.uint32(0x9E3779B9) + jnp.arange(_ROUNDS, dtype=jnp.uint32))
+    e = e.reshape((1,) * (x.ndim - 1)) if e.ndim == 0 else e  # one epoch per row of x
+    if e.shape != x.shape[: e.ndim] or e.ndim != x.ndim - 1:
+        raise errors.ConfigError(
+            f"epoch has shape {e.shape} and positions {positions.shape}: give one epoch, or one per row of positions "
+            "(shape positions.shape[:-1])."
+        )
+    # Round keys of the epoch by integer hashing, not by a PRNG call: on CPU every threefry call is a rolled loop.
+    rounds = (1,) * e.ndim + (_ROUNDS,)
+    salt = e[..., None] * jnp.uint32(0x9E3779B9) + jnp.arange(_ROUNDS, dtype=jnp.uint32).reshape(rounds)
+    keys = _mix(words.reshape(rounds), salt)  # [..., _ROUNDS]
     n = jnp.uint32(num_examples)
     step = lambda y: jnp.where(y >= n, _feistel(y, keys, half), y)
     # Cycle walking: re-apply the bijection until every value lands inside [0, N); the domain is < 4N, so this ends
-    # after a few rounds, and it keeps the map a bijection of [0, N).
-    y = _feistel(jnp.asarray(positions).astype(jnp.uint32), keys, half)
+    # after a few rounds, and it keeps the map a bijection of [0, N). A value inside stays put, so how many values
+    # walk together does not change any of them.
+    y = _feistel(x, keys, half)
     y = jax.lax.while_loop(lambda y: jnp.any(y >= n), step, y)
-    return y.astype(jnp.int32)
+    return y.astype(jnp.int32).reshape(positions.shape)
 
 
 # Jitted: host-side callers (loaders, test references) ask once per epoch; eagerly it would recompile every time.

@@ -159,36 +159,13 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
 
 
 def _batch_indices(data_words: jax.Array, ex: Exchange, shard: jax.Array, taken: jax.Array) -> jax.Array:
-    """Example indices of a shard's ``taken``-th minibatch (``shard`` and ``taken`` may be arrays of equal shape)."""
+    """Example indices of shard ``shard``'s ``taken``-th minibatch, ``[..., batch]`` for int arrays ``shard`` and
+    ``taken`` of one shape (each minibatch in its own epoch)."""
     per_epoch = ex.shard_size // ex.batch_size
     epoch, k = taken // per_epoch, taken % per_epoch
     start = shard * ex.shard_size + k * ex.batch_size
     positions = start[..., None] + jnp.arange(ex.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
-    if jnp.ndim(epoch) == 0:
-        return order.example_index(data_words, epoch, positions, ex.num_examples)
-    # SSGD: all shards are in the same epoch (they move in lock-step).
-    return order.example_index(data_words, epoch[0], positions, ex.num_examples)
-
-
-def _take(data, data_words, ex: Exchange, ds: DataState, shard: jax.Array):
-    """Shard ``shard``'s next ``n_sync`` minibatches, stacked."""
-    batches = []
-    for _ in range(ex.n_sync):
-        idx = _batch_indices(data_words, ex, shard, ds.taken[shard])
-        ds = DataState(ds.taken.at[shard].add(1))
-        batches.append(jax.tree.map(lambda a, idx=idx: a[idx], data))
-    return ds, jax.tree.map(lambda *b: jnp.stack(b), *batches)
-
-
-def _take_all(data, data_words, ex: Exchange, ds: DataState):
-    """Every shard's next ``n_sync`` minibatches, ``[num_shards, n_sync, batch, ...]`` (SSGD)."""
-    shards = jnp.arange(ds.taken.shape[0], dtype=jnp.int32)
-    batches = []
-    for _ in range(ex.n_sync):
-        idx = _batch_indices(data_words, ex, shards, ds.taken)
-        ds = DataState(ds.taken + 1)
-        batches.append(jax.tree.map(lambda a, idx=idx: a[idx], data))
-    return ds, jax.tree.map(lambda *b: jnp.stack(b, axis=1), *batches)
+    return order.example_index(data_words, epoch, positions, ex.num_examples)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -248,74 +225,135 @@ class _Ctx:
     model_key: jax.Array
 
 
-def _async_update(c: _Ctx, state: SimState, k_delay: jax.Array):
-    """The delay model's next push: that worker's payload at its snapshot, applied; then its pull."""
+class _Schedule(NamedTuple):
+    """A chunk's updates as the delay model and the data order decide them, one row per update.
+
+    None of it depends on the weights, so the chunk computes all of it before its first gradient
+    (:func:`_schedule`): the update loop then holds no data-order walk and no random draw, only the gradient and the
+    server step (on a GPU a loop inside the update loop asks the host whether to go on, once per update).
+    """
+
+    push_slot: jax.Array  # int32: the pushing slot (0 for an SSGD round)
+    pull_slot: jax.Array  # int32
+    worker: jax.Array  # int32: the pushing worker, -1 for an SSGD round
+    time: jax.Array  # float32: the virtual clock after the update
+    indices: jax.Array  # int32 example indices: [n_sync, batch], or [M, n_sync, batch] for an SSGD round
+    model_key: jax.Array  # the pusher's key (fold_in(fold_in(model_key, pulled version), slot)), or the round's
+
+
+def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array):
+    """The chunk's events and minibatches: ``(schedule, delay state, data state)`` after its last update."""
+    n_sync = c.ex.n_sync
+
+    def one(carry, xs):
+        delay_state, taken, pulled = carry
+        t, k = xs
+        delay_state, event = c.delays.next(delay_state, t, k, n_sync)
+        counters = taken[event.shard] + jnp.arange(n_sync, dtype=jnp.int32)
+        version = pulled[event.push_slot]  # the version the pusher's snapshot was pulled at
+        # After update t the server is at version t + 1, which the pull records (server.pull).
+        carry = (delay_state, taken.at[event.shard].add(n_sync), pulled.at[event.pull_slot].set(t + 1))
+        return carry, (event, counters, version)
+
+    start = (state.delay, state.data.taken, state.server.backup_version)
+    (delay_state, taken, _), (events, counters, versions) = jax.lax.scan(one, start, (ts, k_delays))
+    fold = jax.vmap(jax.random.fold_in)
+    model_keys = fold(fold(jnp.broadcast_to(c.model_key, ts.shape), versions), events.push_slot)
+    schedule = _Schedule(
+        push_slot=events.push_slot,
+        pull_slot=events.pull_slot,
+        worker=events.push_slot,
+        time=events.time.astype(jnp.float32),
+        indices=_batch_indices(c.data_words, c.ex, jnp.broadcast_to(events.shard[:, None], counters.shape), counters),
+        model_key=model_keys,
+    )
+    return schedule, delay_state, DataState(taken)
+
+
+def _sync_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array):
+    """SSGD rounds: every shard's next ``n_sync`` minibatches per round (the shards move in lock-step) and the
+    clock advanced by the slowest worker, round by round."""
+    length, n_sync, num = ts.shape[0], c.ex.n_sync, c.delays.num_slots
+
+    def tick(clock, k):
+        clock = (clock + c.delays.sync_time(k, n_sync)).astype(jnp.float32)
+        return clock, clock
+
+    _, times = jax.lax.scan(tick, state.clock, k_delays)
+    rounds = (
+        jnp.arange(length, dtype=jnp.int32)[:, None, None] * n_sync + jnp.arange(n_sync, dtype=jnp.int32)[None, None]
+    )
+    counters = state.data.taken[None, :, None] + rounds  # [length, M, n_sync]
+    shards = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32)[None, :, None], counters.shape)
+    zeros = jnp.zeros((length,), jnp.int32)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(c.model_key, ts)
+    indices = _batch_indices(c.data_words, c.ex, shards, counters)
+    schedule = _Schedule(
+        push_slot=zeros, pull_slot=zeros, worker=zeros - 1, time=times, indices=indices, model_key=keys
+    )
+    return schedule, state.delay, DataState(state.data.taken + length * n_sync)
+
+
+def _async_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
+    """The scheduled push: that worker's payload at its snapshot, applied; then its pull."""
     ex, live = c.ex, _live_slot(c.rule, c.delays, c.ex)
-    delay_state, event = c.delays.next(state.delay, state.server.version, k_delay, ex.n_sync)
     if live:
-        params0, model_state0 = state.server.params, state.server.model_state
+        params0, model_state0 = srv.params, srv.model_state
     else:
-        params0, model_state0 = server.snapshot(state.server, event.push_slot)
+        params0, model_state0 = server.snapshot(srv, x.push_slot)
     # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
-    # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
-    pulled = server.snapshot_version(state.server, event.push_slot)
-    k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), event.push_slot)
-    ds, batches = _take(c.data, c.data_words, ex, state.data, event.shard)
-    payload, model_state, loss, aux = exchange.work(c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr)
+    # it pulled and its id (x.model_key). The trainer's workers do the same, so a replayed trace draws the same masks.
+    batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [n_sync, batch, ...]
+    payload, model_state, loss, aux = exchange.work(
+        c.grad_fn, ex, params0, model_state0, batches, x.model_key, c.local_lr
+    )
     srv, staleness = server.exchange(
         c.rule,
-        state.server,
-        event.push_slot,
+        srv,
+        x.push_slot,
         payload,
         model_state if ex.stateful else None,
-        pull_slot=event.pull_slot,
-        stale_params=params0,
+        pull_slot=x.pull_slot,
+        stale_params=params0,  # the snapshot the gradient was computed at, read once
         pull_weights=not live,
-    )  # the snapshot the gradient was computed at, read once
-    new = SimState(server=srv, delay=delay_state, data=ds, clock=event.time.astype(jnp.float32))
-    return new, (loss, aux, staleness, event.push_slot, ex.n_sync * ex.batch_size)
+    )
+    return srv, (loss, aux, staleness, ex.n_sync * ex.batch_size)
 
 
-def _sync_update(c: _Ctx, state: SimState, k_delay: jax.Array, k_model: jax.Array):
+def _sync_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
     """An SSGD round: every worker's payload at w_t, their mean applied once (as worker 0)."""
     ex, num = c.ex, c.delays.num_slots
-    ds, batches = _take_all(c.data, c.data_words, ex, state.data)  # [M, n_sync, batch, ...]
+    batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [M, n_sync, batch, ...]
     live = _live_slot(c.rule, c.delays, ex)
     if live:
-        params0, model_state0 = state.server.params, state.server.model_state
+        params0, model_state0 = srv.params, srv.model_state
     else:  # a pull-side rule: every worker computes at what slot 0's pull sent
-        params0, model_state0 = server.snapshot(state.server, 0)
+        params0, model_state0 = server.snapshot(srv, 0)
     payloads, model_states, losses, auxes = jax.vmap(
         lambda b, k: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr)
-    )(batches, jax.random.split(k_model, num))
+    )(batches, jax.random.split(x.model_key, num))
     mean_state = exchange.mean_tree(model_states) if ex.stateful else None
     # Every payload was computed at params0: slot 0's snapshot (the live weights w_t, see _live_slot).
     srv, staleness = server.exchange(
-        c.rule, state.server, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0, pull_weights=not live
+        c.rule, srv, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0, pull_weights=not live
     )
-    clock = (state.clock + c.delays.sync_time(k_delay, ex.n_sync)).astype(jnp.float32)
-    new = SimState(server=srv, delay=state.delay, data=ds, clock=clock)
     aux = jax.tree.map(jnp.mean, auxes)
-    return new, (losses.mean(), aux, staleness, jnp.asarray(-1, jnp.int32), num * ex.n_sync * ex.batch_size)
+    return srv, (losses.mean(), aux, staleness, num * ex.n_sync * ex.batch_size)
 
 
-def _step(c: _Ctx, state: SimState, step_keys):
-    """One server update. ``step_keys`` are ``fold_in(delay_key, t)`` and, for SSGD, ``fold_in(model_key, t)`` for this
-    t (``None`` asynchronously: the pushing worker's key comes from ``model_key``, its pulled version and its id)."""
-    k_delay, k_model = step_keys
-    if c.ex.mode == "async":
-        new, (loss, aux, staleness, worker, examples) = _async_update(c, state, k_delay)
-    else:
-        new, (loss, aux, staleness, worker, examples) = _sync_update(c, state, k_delay, k_model)
+def _step(c: _Ctx, srv: server.ServerState, x: _Schedule):
+    """One server update, as the chunk's schedule row ``x`` says."""
+    update = _async_update if c.ex.mode == "async" else _sync_update
+    srv, (loss, aux, staleness, examples) = update(c, srv, x)
     metrics = {
         "loss": loss.astype(jnp.float32),
         "staleness": staleness.astype(jnp.int32),
-        "worker": jnp.asarray(worker, jnp.int32),
-        "time": new.clock,
-        "epoch": (new.server.version.astype(jnp.float32) * examples) / c.ex.num_examples,
+        "worker": x.worker,
+        "time": x.time,
+        "epoch": (srv.version.astype(jnp.float32) * examples) / c.ex.num_examples,
         **{k: jnp.asarray(v, jnp.float32) for k, v in aux.items()},
     }
-    return new, metrics
+    return srv, metrics
 
 
 def _evaluate(eval_fn, state: SimState) -> dict[str, jax.Array]:
@@ -337,14 +375,16 @@ def _make_chunk(grad_fn, rule_fn, delays_fn, ex: Exchange, eval_fn, length: int)
         rule, delays = rule_fn(hparams), delays_fn(hparams)
         data_key, delay_key, model_key = exchange.split_key(key)
         c = _Ctx(grad_fn, rule, delays, ex, data, order.key_words(data_key), local_lr, model_key)
-        # Every update's keys in one vectorised PRNG call per chunk (on CPU each call inside the loop is a rolled
-        # loop of its own); identical to folding t in step by step.
+        # Every update's delay key in one vectorised PRNG call per chunk (on CPU each call inside the loop is a
+        # rolled loop of its own); identical to folding t in step by step.
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
-        fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-        step_keys = (fold(delay_key, ts), fold(model_key, ts) if ex.mode == "sync" else None)
-        state, metrics = jax.lax.scan(lambda s, k: _step(c, s, k), state, step_keys)
+        k_delays = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(delay_key, ts)
+        schedule_fn = _async_schedule if ex.mode == "async" else _sync_schedule
+        schedule, delay_state, data_state = schedule_fn(c, state, ts, k_delays)
+        srv, metrics = jax.lax.scan(lambda s, x: _step(c, s, x), state.server, schedule)
         if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
-            state = state._replace(server=server.pull(state.server, 0))
+            srv = server.pull(srv, 0)
+        state = SimState(server=srv, delay=delay_state, data=data_state, clock=schedule.time[-1])
         return state, metrics, _evaluate(eval_fn, state)
 
     return chunk

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from helpers.hlo import inventory as _inventory
+from helpers.hlo import open_loops_in_update_loop as _open_loops
 
 import asgd_jax
 from asgd_jax import delays
@@ -42,13 +43,18 @@ LOSS, PARAMS, DATA = _workload()
 LEAVES = [tuple(p.shape) for p in PARAMS]
 
 
-def _floor_copies() -> int:
+def _floor_hlo(walk_data_order: bool = False) -> str:
+    """The compiled chunk of a plain ``optax.sgd`` ``lax.scan``: what a user writes without this project (or, with
+    ``walk_data_order``, drawing each minibatch from :mod:`asgd_jax.order` inside the loop)."""
     opt = optax.sgd(0.01)
+    words = asgd_jax.order.key_words(jax.random.key(0))
 
     def chunk(carry, keys):
         def step(c, k):
             params, state = c
             idx = jax.random.randint(k, (BATCH,), 0, 1024)
+            if walk_data_order:
+                idx = asgd_jax.order.example_index(words, idx[0] % 3, idx, 1024)
             grads = jax.grad(LOSS)(params, jax.tree.map(lambda a: a[idx], DATA))
             updates, state = opt.update(grads, state, params)
             return (optax.apply_updates(params, updates), state), None
@@ -56,13 +62,12 @@ def _floor_copies() -> int:
         return jax.lax.scan(step, carry, keys)[0]
 
     carry = (PARAMS, opt.init(PARAMS))
-    hlo = jax.jit(chunk, donate_argnums=0).lower(carry, jax.random.split(jax.random.key(0), 10)).compile().as_text()
-    return _inventory(hlo, 1, LEAVES)["param copy"]
+    return jax.jit(chunk, donate_argnums=0).lower(carry, jax.random.split(jax.random.key(0), 10)).compile().as_text()
 
 
 @pytest.fixture(scope="module")
 def floor_copies():
-    return _floor_copies()
+    return _inventory(_floor_hlo(), 1, LEAVES)["param copy"]
 
 
 CASES = {
@@ -148,3 +153,36 @@ def test_the_result_does_not_depend_on_how_the_run_is_cut_into_chunks(model, mod
     one, whole = run(1), run(40)
     assert np.isfinite(whole.params).all() and whole.metrics["loss"][-1] < 0.5 * whole.metrics["loss"][0]
     np.testing.assert_allclose(one.params, whole.params, rtol=1e-6, atol=1e-7)
+
+
+LOOP_CASES = {
+    "Workers(8)": (delays.Workers(8), {}),
+    "Workers(8) with stragglers": (delays.Workers(8, straggler_prob=0.2, straggler_slowdown=4.0), {}),
+    "FixedDelay(3)": (delays.FixedDelay(3), {}),
+    "RandomDelay(4)": (delays.RandomDelay(4), {}),
+    "Trace": (delays.Trace([0, 2, 1, 0, 2, 1, 1, 0, 2, 0, 1, 2]), {"num_updates": 12}),
+    "SSGD x3": (delays.Workers(3), {"mode": "sync"}),
+    "Workers(8), n_sync 4": (delays.Workers(8), {"n_sync": 4, "push": "accumulate"}),
+}
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_the_update_loop_holds_no_loop_of_its_own(case):
+    # The data order's cycle walk and the delay model's random draws depend on neither the weights nor the rule:
+    # the chunk computes them for all its updates before the first gradient. A loop inside the update loop would
+    # ask the host whether to go on once per update on a GPU (a device-to-host copy and a wait each time).
+    model, kwargs = LOOP_CASES[case]
+    lowered = asgd_jax.simulator.lower(
+        LOSS,
+        asgd_jax.dc_asgd(0.01, 2.0, adaptive=True),
+        PARAMS,
+        DATA,
+        delays=model,
+        batch_size=BATCH,
+        length=10,
+        **kwargs,
+    )
+    assert _open_loops(lowered.compile().as_text()) == []
+    # The reader finds such a loop where there is one: a plain SGD loop that walks the data order per minibatch.
+    assert _open_loops(_floor_hlo()) == []
+    assert len(_open_loops(_floor_hlo(walk_data_order=True))) == 1

@@ -53,3 +53,39 @@ def inventory(hlo: str, num_slots: int, leaves: list[tuple[int, ...]]) -> collec
             elif any(shape in (leaf, (1, *leaf)) for leaf in leaves):
                 counts[f"param {op}"] += 1
     return counts
+
+
+def _reachable(comps: dict[str, list[str]], start: str) -> set[str]:
+    """The computations ``start`` runs: itself and, transitively, every fusion, call, loop and branch it names."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            for group in re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\s]+)", line):
+                todo += [n.lstrip("%") for n in group.rstrip(",").split(",")]
+    return seen
+
+
+def open_loops_in_update_loop(hlo: str) -> list[str]:
+    """The ``while`` ops without a known trip count that run inside a compiled chunk's update loop (the loop whose
+    body computes a gradient, a ``dot``), each as its metadata's op name. Such a loop asks the host whether to go on
+    after every iteration on a GPU; one with a known trip count (a ``lax.scan``, a PRNG's rolled rounds) does not."""
+    comps = _computations(hlo)
+    found: list[str] = []
+    for lines in comps.values():
+        for line in lines:
+            body = re.search(r" while\(.*body=%([\w.\-]+)", line)
+            if not body:
+                continue
+            inside = _reachable(comps, body.group(1))
+            if not any(re.search(r"= \S+ dot\(", x) for name in inside for x in comps[name]):
+                continue  # not the update loop (the chunk's schedule, a PRNG's rolled loop)
+            for name in inside:
+                for x in comps[name]:
+                    if re.search(r" while\(", x) and "known_trip_count" not in x:
+                        op = re.search(r'op_name="([^"]+)"', x)
+                        found.append(op.group(1) if op else x.strip()[:80])
+    return found
