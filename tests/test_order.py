@@ -38,3 +38,19 @@ def test_the_order_is_a_pure_function_of_key_epoch_and_position():
     np.testing.assert_array_equal(whole[40:60], part)
     jitted = jax.jit(order.example_index, static_argnums=3)(words, 2, np.arange(100), 100)
     np.testing.assert_array_equal(whole, np.asarray(jitted))
+
+
+def test_many_minibatches_of_different_epochs_in_one_call_are_each_epochs_own():
+    # The simulator asks for a whole chunk's minibatches at once, one epoch per row: each row is what that epoch
+    # alone gives (a value already inside [0, N) stays put while the others walk).
+    words = order.key_words(jax.random.key(5))
+    epochs = np.array([[0, 3], [3, 11], [2, 0]], dtype=np.int32)
+    positions = (np.arange(6 * 9).reshape(3, 2, 9) * 7) % 1438
+    rows = np.asarray(order.example_index(words, epochs, positions, 1438))
+    for i, j in np.ndindex(epochs.shape):
+        alone = np.asarray(order.example_index(words, int(epochs[i, j]), positions[i, j], 1438))
+        np.testing.assert_array_equal(rows[i, j], alone)
+    one = order.example_index(words, 3, 5, 1438)  # a scalar position gives a scalar
+    assert one.shape == () and int(one) == int(np.asarray(order.example_index(words, 3, np.arange(6), 1438))[5])
+    with pytest.raises(ValueError, match=r"epoch has shape \(2,\) and positions \(3, 2, 9\)"):
+        order.example_index(words, epochs[0], positions, 1438)
