@@ -1,11 +1,12 @@
 """The deterministic staleness simulator: asynchronous training replayed exactly, many runs at once.
 
-The simulator is an ``init`` / ``step`` state machine over server updates. Each step asks the delay model for the next
-:class:`~asgd_jax.delays.Event`, lets the pushing worker compute its payload at the snapshot it pulled (its gradient
-only depends on that snapshot and its next minibatch, so it is computed when it lands), applies the push with
-:func:`asgd_jax.server.push` and records the pull with :func:`asgd_jax.server.pull`. :func:`simulate` scans the step
-in chunks: between chunks it evaluates, updates the progress bar and writes a checkpoint. :func:`sweep` vmaps the same
-program over keys and hyperparameters, so a grid of runs compiles once.
+The simulator is an ``init`` / ``step`` state machine over server updates. The delay model decides each update's
+:class:`~asgd_jax.delays.Event` and the data order its minibatch, neither from the weights, so a chunk of updates first
+computes this schedule for all of them; each step then lets the pushing worker compute its payload at the snapshot it
+pulled (its gradient only depends on that snapshot and its next minibatch, so it is computed when it lands), applies
+the push with :func:`asgd_jax.server.push` and records the pull with :func:`asgd_jax.server.pull`. :func:`simulate`
+scans the step in chunks: between chunks it evaluates, updates the progress bar and writes a checkpoint.
+:func:`sweep` vmaps the same program over keys and hyperparameters, so a grid of runs compiles once.
 
 Randomness: the run's key is split into data, delay and model keys; update t draws its delay with
 ``fold_in(delay_key, t)``. The model's randomness (dropout, augmentation) of the worker w that pushes at t uses

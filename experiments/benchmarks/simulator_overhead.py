@@ -357,8 +357,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer updates and repeats")
     parser.add_argument("--only", nargs="+", default=None, help="W, L, cnn, sweep, memory")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every update count (e.g. 4 on a GPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3, --quick 2)")
     args = parser.parse_args()
-    repeats = 2 if args.quick else 3
+    repeats = args.repeats or (2 if args.quick else 3)
     scale = (2 if args.quick else 1) / args.scale
     parts = args.only or ["W", "L", "cnn", "sweep", "memory"]
     print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}), {repeats} repeats\n")

@@ -1,0 +1,142 @@
+"""Could a hand-written DC-ASGD-a server step be laid out so XLA:CPU makes fewer passes over parameter memory?
+
+Three layouts of the same algorithm (8 per-worker backups, workers pushing in turn, DC-ASGD-a with one global
+MeanSquare: what ``simulator_overhead.py`` calls hand-written), each in a plain ``lax.scan``, nothing from asgd_jax,
+timed against the ``optax.sgd`` floor in the same repeats:
+
+* ``plain``: weights, MeanSquare and a ``[M, ...]`` backup stack; the pull writes the new weights into the pusher's
+  slot (``backups.at[m].set(w)``). What the simulator does.
+* ``indexed``: the live weights are one more buffer of an ``[M + 2, ...]`` stack with an index, each slot an index into
+  it; the update writes the new weights straight into a free buffer and the pull is an integer assignment (no copy of
+  the weights into a backup).
+* ``stacked``: weights and MeanSquare stacked into one ``[2, ...]`` array, so one loop could write both (XLA:CPU has no
+  multi-output fusion). DC-ASGD-a only.
+
+    .venv/bin/python experiments/benchmarks/server_step_layouts.py               # the 1.1M-parameter MLP (L)
+    .venv/bin/python experiments/benchmarks/server_step_layouts.py --width 256   # W
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import simulator_overhead as bench
+
+M = 8
+tree = jax.tree.map
+
+
+def dc_asgd_a(w, g, ms, stale):
+    ms = 0.95 * ms + 0.05 * g * g
+    return w - bench.LR * (g + 2.0 / jnp.sqrt(ms + 1e-7) * g * g * (w - stale)), ms
+
+
+def layouts(wl):
+    """name -> (step(carry, key, t) -> carry, initial carry)."""
+    loss, data, batch = wl["loss"], wl["data"], wl["batch_size"]
+    params = wl["params"]
+    n = jax.tree.leaves(data)[0].shape[0]
+
+    def gradient(w, k):
+        idx = jax.random.randint(k, (batch,), 0, n)
+        return jax.grad(loss)(w, tree(lambda a: a[idx], data))
+
+    def apply(dc, w, g, ms, stale):
+        if not dc:
+            return tree(lambda w, g: w - bench.LR * g, w, g), ms
+        out = [dc_asgd_a(*leaves) for leaves in zip(w, g, ms, stale, strict=True)]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    def plain(dc):
+        def step(c, k, t):
+            w, ms, backups = c
+            stale = tree(lambda b: b[t % M], backups)
+            w, ms = apply(dc, w, gradient(stale, k), ms, stale)
+            return w, ms, tree(lambda b, w: b.at[t % M].set(w), backups, w)
+
+        stack = tree(lambda x: jnp.broadcast_to(x, (M, *x.shape)).copy(), params)
+        return step, (tree(jnp.copy, params), tree(jnp.zeros_like, params), stack)
+
+    def indexed(dc):
+        def step(c, k, t):
+            ms, buffers, live, slot_of = c
+            m = t % M
+            stale = tree(lambda b: b[slot_of[m]], buffers)
+            g = gradient(stale, k)
+            # A buffer no slot but the pusher's refers to, and not the live one: where the new weights go.
+            refs = jnp.zeros(M + 2, jnp.int32).at[slot_of].add(1).at[slot_of[m]].add(-1).at[live].add(1)
+            free = jnp.argmin(refs)
+            w, ms = apply(dc, tree(lambda b: b[live], buffers), g, ms, stale)
+            buffers = tree(lambda b, w: b.at[free].set(w), buffers, w)
+            return ms, buffers, free, slot_of.at[m].set(free)
+
+        stack = tree(lambda x: jnp.broadcast_to(x, (M + 2, *x.shape)).copy(), params)
+        return step, (tree(jnp.zeros_like, params), stack, jnp.int32(0), jnp.zeros(M, jnp.int32))
+
+    def stacked():
+        def step(c, k, t):
+            both, backups = c
+            stale = tree(lambda b: b[t % M], backups)
+            g = gradient(stale, k)
+            both = [jnp.stack(dc_asgd_a(x[0], g, x[1], s)) for x, g, s in zip(both, g, stale, strict=True)]
+            return both, tree(lambda b, x: b.at[t % M].set(x[0]), backups, both)
+
+        stack = tree(lambda x: jnp.broadcast_to(x, (M, *x.shape)).copy(), params)
+        return step, ([jnp.stack([x, jnp.zeros_like(x)]) for x in params], stack)
+
+    return {
+        "plain ASGD": plain(False),
+        "indexed ASGD": indexed(False),
+        "plain DC-ASGD-a": plain(True),
+        "indexed DC-ASGD-a": indexed(True),
+        "stacked DC-ASGD-a": stacked(),
+    }
+
+
+def chunk_of(step, length):
+    def chunk(carry, key, t0):
+        body = lambda c, xs: (step(c, *xs), None)
+        ts = t0 + jnp.arange(length, dtype=jnp.int32)
+        return jax.lax.scan(body, carry, (jax.random.split(key, length), ts))[0]
+
+    return jax.jit(chunk, donate_argnums=0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP 64-w-w-10 (1024: L, 256: W)")
+    parser.add_argument("--length", type=int, default=100, help="updates per timed chunk")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    wl = bench.mlp_workload((64, args.width, args.width, 10), 64)
+    floor = bench.floor_chunk(wl, args.length)
+    runs = {"floor": (lambda c, k, t0: floor(c, k), bench.floor_carry(wl))}
+    runs.update({name: (chunk_of(step, args.length), carry) for name, (step, carry) in layouts(wl).items()})
+    carries = {name: carry for name, (_, carry) in runs.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats + 1):  # the first round compiles
+        for name, (fn, _) in runs.items():
+            start = time.perf_counter()
+            carries[name] = jax.block_until_ready(fn(carries[name], jax.random.key(r), jnp.int32(r * args.length)))
+            if r:
+                times[name].append(time.perf_counter() - start)
+    params = bench.num_params(wl["params"])
+    print(
+        f"jax {jax.__version__} on {jax.default_backend()}; MLP 64-{args.width}-{args.width}-10 ({params:,} parameters)"
+    )
+    print(f"  {'layout':20s} {'μs/update':>10s} {'ratio to the floor':>19s}")
+    for name, ts in times.items():
+        ratio = statistics.median(t / f for t, f in zip(ts, times["floor"], strict=True))
+        print(f"  {name:20s} {1e6 * statistics.median(ts) / args.length:10.1f} {ratio:19.2f}")
+
+
+if __name__ == "__main__":
+    main()
