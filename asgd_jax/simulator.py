@@ -230,8 +230,9 @@ class _Schedule(NamedTuple):
     """A chunk's updates as the delay model and the data order decide them, one row per update.
 
     None of it depends on the weights, so the chunk computes all of it before its first gradient
-    (:func:`_schedule`): the update loop then holds no data-order walk and no random draw, only the gradient and the
-    server step (on a GPU a loop inside the update loop asks the host whether to go on, once per update).
+    (:func:`_async_schedule`, :func:`_sync_schedule`): the update loop then holds no data-order walk and no delay
+    draw, only the gradient and the server step (on a GPU a loop inside the update loop without a known trip count
+    asks the host whether to go on, once per update).
     """
 
     push_slot: jax.Array  # int32: the pushing slot (0 for an SSGD round)
