@@ -240,7 +240,9 @@ class _Schedule(NamedTuple):
     worker: jax.Array  # int32: the pushing worker, -1 for an SSGD round
     time: jax.Array  # float32: the virtual clock after the update
     indices: jax.Array  # int32 example indices: [n_sync, batch], or [M, n_sync, batch] for an SSGD round
-    model_key: jax.Array  # the pusher's key (fold_in(fold_in(model_key, pulled version), slot)), or the round's
+    # An SSGD round's key, fold_in(model_key, t); None asynchronously: a pusher's key comes from the version it pulled,
+    # which the server's own record says (server.snapshot_version), in the update.
+    round_key: jax.Array | None
 
 
 def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array):
@@ -248,26 +250,20 @@ def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array
     n_sync = c.ex.n_sync
 
     def one(carry, xs):
-        delay_state, taken, pulled = carry
+        delay_state, taken = carry
         t, k = xs
         delay_state, event = c.delays.next(delay_state, t, k, n_sync)
         counters = taken[event.shard] + jnp.arange(n_sync, dtype=jnp.int32)
-        version = pulled[event.push_slot]  # the version the pusher's snapshot was pulled at
-        # After update t the server is at version t + 1, which the pull records (server.pull).
-        carry = (delay_state, taken.at[event.shard].add(n_sync), pulled.at[event.pull_slot].set(t + 1))
-        return carry, (event, counters, version)
+        return (delay_state, taken.at[event.shard].add(n_sync)), (event, counters)
 
-    start = (state.delay, state.data.taken, state.server.backup_version)
-    (delay_state, taken, _), (events, counters, versions) = jax.lax.scan(one, start, (ts, k_delays))
-    fold = jax.vmap(jax.random.fold_in)
-    model_keys = fold(fold(jnp.broadcast_to(c.model_key, ts.shape), versions), events.push_slot)
+    (delay_state, taken), (events, counters) = jax.lax.scan(one, (state.delay, state.data.taken), (ts, k_delays))
     schedule = _Schedule(
         push_slot=events.push_slot,
         pull_slot=events.pull_slot,
         worker=events.push_slot,
         time=events.time.astype(jnp.float32),
         indices=_batch_indices(c.data_words, c.ex, jnp.broadcast_to(events.shard[:, None], counters.shape), counters),
-        model_key=model_keys,
+        round_key=None,
     )
     return schedule, delay_state, DataState(taken)
 
@@ -291,7 +287,7 @@ def _sync_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(c.model_key, ts)
     indices = _batch_indices(c.data_words, c.ex, shards, counters)
     schedule = _Schedule(
-        push_slot=zeros, pull_slot=zeros, worker=zeros - 1, time=times, indices=indices, model_key=keys
+        push_slot=zeros, pull_slot=zeros, worker=zeros - 1, time=times, indices=indices, round_key=keys
     )
     return schedule, state.delay, DataState(state.data.taken + length * n_sync)
 
@@ -304,11 +300,11 @@ def _async_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
     else:
         params0, model_state0 = server.snapshot(srv, x.push_slot)
     # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
-    # it pulled and its id (x.model_key). The trainer's workers do the same, so a replayed trace draws the same masks.
+    # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
+    pulled = server.snapshot_version(srv, x.push_slot)
+    k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), x.push_slot)
     batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [n_sync, batch, ...]
-    payload, model_state, loss, aux = exchange.work(
-        c.grad_fn, ex, params0, model_state0, batches, x.model_key, c.local_lr
-    )
+    payload, model_state, loss, aux = exchange.work(c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr)
     srv, staleness = server.exchange(
         c.rule,
         srv,
@@ -333,7 +329,7 @@ def _sync_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
         params0, model_state0 = server.snapshot(srv, 0)
     payloads, model_states, losses, auxes = jax.vmap(
         lambda b, k: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr)
-    )(batches, jax.random.split(x.model_key, num))
+    )(batches, jax.random.split(x.round_key, num))
     mean_state = exchange.mean_tree(model_states) if ex.stateful else None
     # Every payload was computed at params0: slot 0's snapshot (the live weights w_t, see _live_slot).
     srv, staleness = server.exchange(
