@@ -5,7 +5,7 @@ MeanSquare: what ``simulator_overhead.py`` calls hand-written), each in a plain 
 timed against the ``optax.sgd`` floor in the same repeats:
 
 * ``plain``: weights, MeanSquare and a ``[M, ...]`` backup stack; the pull writes the new weights into the pusher's
-  slot (``backups.at[m].set(w)``). What the simulator does.
+  slot (``backups.at[m].set(w)``). What the simulator does; ``simulator_overhead.py``'s hand-written engine.
 * ``indexed``: the live weights are one more buffer of an ``[M + 2, ...]`` stack with an index, each slot an index into
   it; the update writes the new weights straight into a free buffer and the pull is an integer assignment (no copy of
   the weights into a backup).
@@ -30,42 +30,20 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulator_overhead as bench
 
-M = 8
+M = bench.HAND_WORKERS
 tree = jax.tree.map
 
 
-def dc_asgd_a(w, g, ms, stale):
-    ms = 0.95 * ms + 0.05 * g * g
-    return w - bench.LR * (g + 2.0 / jnp.sqrt(ms + 1e-7) * g * g * (w - stale)), ms
+def layouts(wl, length: int):
+    """name -> (jitted chunk(carry, key, t0) -> carry over ``length`` updates, its first carry)."""
+    params, gradient = wl["params"], bench.minibatch_gradient(wl)
 
+    def plain(kind):
+        # simulator_overhead's hand-written engine: what the simulator does.
+        chunk = bench.floor_chunk(wl, length, kind=kind)
+        return (lambda c, k, t0: chunk(c, k)), bench.floor_carry(wl, kind)
 
-def layouts(wl):
-    """name -> (step(carry, key, t) -> carry, initial carry)."""
-    loss, data, batch = wl["loss"], wl["data"], wl["batch_size"]
-    params = wl["params"]
-    n = jax.tree.leaves(data)[0].shape[0]
-
-    def gradient(w, k):
-        idx = jax.random.randint(k, (batch,), 0, n)
-        return jax.grad(loss)(w, tree(lambda a: a[idx], data))
-
-    def apply(dc, w, g, ms, stale):
-        if not dc:
-            return tree(lambda w, g: w - bench.LR * g, w, g), ms
-        out = [dc_asgd_a(*leaves) for leaves in zip(w, g, ms, stale, strict=True)]
-        return [o[0] for o in out], [o[1] for o in out]
-
-    def plain(dc):
-        def step(c, k, t):
-            w, ms, backups = c
-            stale = tree(lambda b: b[t % M], backups)
-            w, ms = apply(dc, w, gradient(stale, k), ms, stale)
-            return w, ms, tree(lambda b, w: b.at[t % M].set(w), backups, w)
-
-        stack = tree(lambda x: jnp.broadcast_to(x, (M, *x.shape)).copy(), params)
-        return step, (tree(jnp.copy, params), tree(jnp.zeros_like, params), stack)
-
-    def indexed(dc):
+    def indexed(kind):
         def step(c, k, t):
             ms, buffers, live, slot_of = c
             m = t % M
@@ -74,29 +52,32 @@ def layouts(wl):
             # A buffer no slot but the pusher's refers to, and not the live one: where the new weights go.
             refs = jnp.zeros(M + 2, jnp.int32).at[slot_of].add(1).at[slot_of[m]].add(-1).at[live].add(1)
             free = jnp.argmin(refs)
-            w, ms = apply(dc, tree(lambda b: b[live], buffers), g, ms, stale)
+            w, ms = bench.hand_server_step(kind, tree(lambda b: b[live], buffers), g, ms, stale)
             buffers = tree(lambda b, w: b.at[free].set(w), buffers, w)
             return ms, buffers, free, slot_of.at[m].set(free)
 
         stack = tree(lambda x: jnp.broadcast_to(x, (M + 2, *x.shape)).copy(), params)
-        return step, (tree(jnp.zeros_like, params), stack, jnp.int32(0), jnp.zeros(M, jnp.int32))
+        return chunk_of(step, length), (tree(jnp.zeros_like, params), stack, jnp.int32(0), jnp.zeros(M, jnp.int32))
 
     def stacked():
         def step(c, k, t):
             both, backups = c
             stale = tree(lambda b: b[t % M], backups)
             g = gradient(stale, k)
-            both = [jnp.stack(dc_asgd_a(x[0], g, x[1], s)) for x, g, s in zip(both, g, stale, strict=True)]
+            both = [
+                jnp.stack(bench.hand_server_step("dc_asgd_a", x[0], g, x[1], s))
+                for x, g, s in zip(both, g, stale, strict=True)
+            ]
             return both, tree(lambda b, x: b.at[t % M].set(x[0]), backups, both)
 
         stack = tree(lambda x: jnp.broadcast_to(x, (M, *x.shape)).copy(), params)
-        return step, ([jnp.stack([x, jnp.zeros_like(x)]) for x in params], stack)
+        return chunk_of(step, length), ([jnp.stack([x, jnp.zeros_like(x)]) for x in params], stack)
 
     return {
-        "plain ASGD": plain(False),
-        "indexed ASGD": indexed(False),
-        "plain DC-ASGD-a": plain(True),
-        "indexed DC-ASGD-a": indexed(True),
+        "plain ASGD": plain("asgd"),
+        "indexed ASGD": indexed("asgd"),
+        "plain DC-ASGD-a": plain("dc_asgd_a"),
+        "indexed DC-ASGD-a": indexed("dc_asgd_a"),
         "stacked DC-ASGD-a": stacked(),
     }
 
@@ -119,7 +100,7 @@ def main():
     wl = bench.mlp_workload((64, args.width, args.width, 10), 64)
     floor = bench.floor_chunk(wl, args.length)
     runs = {"floor": (lambda c, k, t0: floor(c, k), bench.floor_carry(wl))}
-    runs.update({name: (chunk_of(step, args.length), carry) for name, (step, carry) in layouts(wl).items()})
+    runs.update(layouts(wl, args.length))
     carries = {name: carry for name, (_, carry) in runs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.repeats + 1):  # the first round compiles

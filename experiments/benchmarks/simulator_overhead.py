@@ -92,22 +92,39 @@ def num_params(params) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def minibatch_gradient(wl) -> Callable:
+    """``(params, key) -> gradient`` on a minibatch drawn with ``jax.random.randint``, as the floor draws it."""
+    loss, data, batch_size = wl["loss"], wl["data"], wl["batch_size"]
+    n = jax.tree.leaves(data)[0].shape[0]
+
+    def gradient(params, k):
+        idx = jax.random.randint(k, (batch_size,), 0, n)
+        return jax.grad(loss)(params, jax.tree.map(lambda a: a[idx], data))
+
+    return gradient
+
+
+def hand_server_step(kind: str, w, g, mean_square, stale):
+    """The hand-written server step on weights ``w`` (a pytree or one array): ASGD's ``w - lr g``, or DC-ASGD-a's
+    compensated step with one global MeanSquare (m = 0.95, λ0 = 2, ε = 1e-7, as ``asgd_jax.dc_asgd(adaptive=True)``).
+    Returns ``(w, mean_square)``."""
+    if kind == "dc_asgd_a":
+        mean_square = jax.tree.map(lambda ms, g: 0.95 * ms + 0.05 * g * g, mean_square, g)
+        g = jax.tree.map(
+            lambda g, w, wb, ms: g + 2.0 / jnp.sqrt(ms + 1e-7) * g * g * (w - wb), g, w, stale, mean_square
+        )
+    return jax.tree.map(lambda w, g: w - LR * g, w, g), mean_square
+
+
 def floor_chunk(wl, length: int, runs: int | None = None, kind: str = "sgd") -> Callable:
     """A fresh jitted chunk of ``length`` updates (fresh: every call compiles, as a new user's would).
 
     ``kind="sgd"`` is the floor: plain ``optax.sgd``. ``"asgd"`` and ``"dc_asgd_a"`` are the same algorithms as the
     simulator's ``Workers(8)`` engines written by hand, nothing of ours: ``HAND_WORKERS`` per-worker backups, the
     workers pushing in turn (worker ``t % M``: staleness M - 1), the gradient at the pusher's backup, then its pull
-    (``backups.at[m].set(w)``); DC-ASGD-a with one global MeanSquare (m = 0.95, λ0 = 2, ε = 1e-7, as
-    ``asgd_jax.dc_asgd(adaptive=True)``). What this project's engine should cost no more than.
+    (``backups.at[m].set(w)``), :func:`hand_server_step`. What this project's engine should cost no more than.
     """
-    loss, data, batch_size = wl["loss"], wl["data"], wl["batch_size"]
-    n = jax.tree.leaves(data)[0].shape[0]
-    opt = optax.sgd(LR)
-
-    def gradient(params, k):
-        idx = jax.random.randint(k, (batch_size,), 0, n)
-        return jax.grad(loss)(params, jax.tree.map(lambda a: a[idx], data))
+    gradient, opt = minibatch_gradient(wl), optax.sgd(LR)
 
     def sgd_step(c, k):
         params, opt_state = c
@@ -118,13 +135,7 @@ def floor_chunk(wl, length: int, runs: int | None = None, kind: str = "sgd") -> 
         params, mean_square, backups, t = c
         m = t % HAND_WORKERS
         stale = jax.tree.map(lambda b: b[m], backups)
-        g = gradient(stale, k)
-        if kind == "dc_asgd_a":
-            mean_square = jax.tree.map(lambda ms, g: 0.95 * ms + 0.05 * g * g, mean_square, g)
-            g = jax.tree.map(
-                lambda g, w, wb, ms: g + 2.0 / jnp.sqrt(ms + 1e-7) * g * g * (w - wb), g, params, stale, mean_square
-            )
-        params = jax.tree.map(lambda w, g: w - LR * g, params, g)
+        params, mean_square = hand_server_step(kind, params, gradient(stale, k), mean_square, stale)
         backups = jax.tree.map(lambda b, w: b.at[m].set(w), backups, params)
         return (params, mean_square, backups, t + 1), None
 
