@@ -19,8 +19,11 @@ from asgd_jax import (
     metrics,
     models,
     order,
+    plan,
     preprocess,
+    recipes,
     rules,
+    schedules,
     server,
     session,
     simulator,
@@ -30,6 +33,7 @@ from asgd_jax import (
 from asgd_jax.errors import ConfigError
 from asgd_jax.exchange import Loss
 from asgd_jax.models import classification_eval, classification_loss
+from asgd_jax.plan import Plan
 from asgd_jax.rules import (
     ScaleByDelayCompensationState,
     asgd,
@@ -49,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "Loss",
+    "Plan",
     "ScaleByDelayCompensationState",
     "SimState",
     "SimulationResult",
@@ -69,11 +74,14 @@ __all__ = [
     "metrics",
     "models",
     "order",
+    "plan",
     "preprocess",
+    "recipes",
     "rules",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_staleness",
+    "schedules",
     "server",
     "session",
     "simulate",

@@ -20,7 +20,7 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["load", "load_model", "save", "save_model"]
+__all__ = ["load", "load_model", "read_json", "save", "save_model", "write_json"]
 
 _HEADER = "__header__"
 
@@ -47,6 +47,36 @@ def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], hea
         raise
 
 
+def write_json(path: str | os.PathLike, value: Any) -> None:
+    """Writes ``value`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Reads a JSON file, or raises a ``ConfigError`` that names it (missing, unreadable or not JSON)."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise errors.ConfigError(f"{path} does not exist.") from None
+    except (OSError, ValueError) as e:
+        raise errors.ConfigError(f"{path} is not readable JSON ({type(e).__name__}: {e}"[:300] + ").") from None
+
+
 def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
     """Reads a checkpoint written by :func:`save` into the structure of ``template``.
 
@@ -65,10 +95,13 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
             "written by a different configuration. Use another checkpoint_dir or delete the old checkpoint."
         )
     for i, (got, want) in enumerate(zip(leaves, template_leaves, strict=True)):
-        if got.shape != np.shape(want) or got.dtype != np.asarray(want).dtype:
+        # The template may be abstract (jax.ShapeDtypeStruct, from jax.eval_shape): read its shape and dtype alone.
+        shape = tuple(getattr(want, "shape", np.shape(want)))
+        dtype = np.dtype(want.dtype) if hasattr(want, "dtype") else np.asarray(want).dtype
+        if got.shape != shape or got.dtype != dtype:
             raise errors.ConfigError(
                 f"Checkpoint {path} leaf {i} is {got.dtype}{list(got.shape)} but this run needs "
-                f"{np.asarray(want).dtype}{list(np.shape(want))}: it was written by a different configuration."
+                f"{dtype}{list(shape)}: it was written by a different configuration."
             )
     return jax.tree.unflatten(treedef, leaves), arrays, header
 

@@ -4,7 +4,7 @@ Subcommands:
   ablate         DC-ASGD's Table 1 in miniature (the ``dcasgd_table1`` study with flags), in the simulator.
   data prepare   download and prepare a TFDS dataset once (the only command that downloads).
   train          real asynchronous training: workers on the devices JAX sees (or on Ray), a host-side parameter store.
-  run            a reproduction study from experiments/ (quick or full form), in the simulator.
+  run            a reproduction study (one of asgd_jax.experiments, or a study file), in the simulator.
   report         a Markdown report of a results folder.
 
 A mistake in the input (:class:`asgd_jax.errors.ConfigError`) is reported in one line with exit status 2; anything
@@ -172,9 +172,11 @@ MODEL_FLAGS = ("config", "dataset", "data_dir", "model", "rule", "lr", "lam", "m
 
 def _add_train(sub) -> None:
     from asgd_jax import rules
+    from asgd_jax.plan import MODES, PUSHES
     from asgd_jax.session import BACKENDS, FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
     d = TrainConfig()
+    dp = d.plan
     p = sub.add_parser(
         "train",
         help="asynchronous training on the devices JAX sees (GPUs, or fake CPU devices), or on Ray",
@@ -198,17 +200,17 @@ def _add_train(sub) -> None:
     a("--lam", type=float, default=None, help="DC-ASGD lambda_0 [the rule's: 0.04 for -c, 2 for -a]")
     a("--momentum", type=float, default=None, help="momentum of the rule [none]")
     a("--warm-start", default=None, metavar="MODEL", help="start from a saved model.npz (or a run folder)")
-    a("--workers", type=int, default=d.workers, help="M workers")
-    a("--num-updates", "--steps", type=int, default=d.num_updates, help="server updates, warm-up included")
-    a("--batch-size", type=int, default=d.batch_size, help="minibatch per worker")
+    a("--workers", type=int, default=dp.workers, help="M workers")
+    a("--num-updates", "--steps", type=int, default=dp.num_updates, help="server updates, warm-up included")
+    a("--batch-size", type=int, default=dp.batch_size, help="minibatch per worker")
     a("--seed", type=int, default=d.seed, help="the run's key (data order, model randomness) and initial weights")
-    a("--mode", default=d.mode, choices=["async", "sync"], help="sync: the SSGD baseline, same devices")
-    a("--n-sync", type=int, default=d.n_sync, help="minibatches between exchanges (GPU A-SGD)")
-    a("--push", default=d.push, choices=["gradients", "delta", "accumulate"], help="what --n-sync > 1 pushes")
-    a("--local-lr", type=float, default=d.local_lr, help="local step size when --n-sync > 1 [none]")
+    a("--mode", default=dp.mode, choices=MODES, help="sync: the SSGD baseline, same devices")
+    a("--n-sync", type=int, default=dp.n_sync, help="minibatches between exchanges (GPU A-SGD)")
+    a("--push", default=dp.push, choices=PUSHES, help="what --n-sync > 1 pushes")
+    a("--local-lr", type=float, default=dp.local_lr, help="local step size when --n-sync > 1 [none]")
     a("--devices-per-worker", type=int, default=d.devices_per_worker, help="devices per worker (batch split)")
     a("--out", default="runs/train", help="the run's folder")
-    a("--checkpoint-every", type=int, default=d.checkpoint_every, help="updates between checkpoints [a tenth]")
+    a("--checkpoint-every", type=int, default=dp.checkpoint_every, help="updates between checkpoints [a tenth]")
     a(
         "--resume",
         nargs="?",
@@ -218,7 +220,7 @@ def _add_train(sub) -> None:
         help="continue from --out's checkpoint (which must be there); --resume auto: continue if there is one",
     )
     a("--warm-start-steps", type=int, default=d.warm_start_steps, help="first K updates with a single worker")
-    a("--eval-every", type=int, default=d.eval_every, help="updates between evaluations [a tenth]")
+    a("--eval-every", type=int, default=dp.eval_every, help="updates between evaluations [a tenth]")
     a("--log-every", type=float, default=d.log_every, help="seconds between records of metrics.jsonl")
     a("--progress", action=argparse.BooleanOptionalAction, default=d.progress, help="a progress bar")
     a("--on-worker-failure", default=d.on_worker_failure, choices=FAILURE_POLICIES, help="a dead worker")
@@ -275,11 +277,19 @@ def load_config(path: str, actions: Sequence[argparse.Action]) -> dict[str, Any]
     return {flags[k][0]: (not v if flags[k][1] else v) for k, v in given.items()}
 
 
+# The Plan fields that are flags of `train` under their own names (its delays are --workers M; chunk is the
+# simulator's alone).
+PLAN_FLAGS = ("num_updates", "batch_size", "mode", "n_sync", "push", "local_lr", "eval_every", "checkpoint_every")
+
+
 def _train_config(args: argparse.Namespace):
+    from asgd_jax.plan import Plan
     from asgd_jax.session import TrainConfig
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "slowdown"}
-    return TrainConfig(**values, slowdown=_parse_slowdown(args.slowdown))
+    plan = Plan(args.workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
+    skip = ("plan", "slowdown")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in skip}
+    return TrainConfig(plan, **values, slowdown=_parse_slowdown(args.slowdown))
 
 
 def _keep_the_driver_on_the_cpu() -> None:
@@ -350,7 +360,8 @@ def _train(args: argparse.Namespace) -> int:
         else f"workers on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     )
     print(
-        f"asgd-jax train: {config.workers} {config.mode} {where}, {args.rule}, {config.num_updates} updates -> "
+        f"asgd-jax train: {config.plan.workers} {config.plan.mode} {where}, {args.rule}, {config.plan.num_updates} "
+        f"updates -> "
         f"{config.out}; compiling...",
         flush=True,
     )
@@ -383,7 +394,7 @@ def _train(args: argparse.Namespace) -> int:
     if result.ended == "timeout":
         print(
             f"asgd-jax: stopped by --timeout {config.timeout:g} s after {result.pushes_applied} of "
-            f"{config.num_updates} updates; --resume continues",
+            f"{config.plan.num_updates} updates; --resume continues",
             file=sys.stderr,
         )
         return 3
@@ -398,16 +409,17 @@ def _train(args: argparse.Namespace) -> int:
 def _add_run(sub) -> None:
     p = sub.add_parser(
         "run",
-        help="run a reproduction study from experiments/ (dcasgd_table1, gpu_asgd_nsync, ...) in the simulator",
+        help="run a reproduction study (dcasgd_table1, gpu_asgd_nsync, ... or a study file) in the simulator",
         description=(
-            "Runs one study (experiments/<study>.py) in the deterministic simulator and writes results.json, "
+            "Runs one study (a study of asgd_jax.experiments, see --list, or a .py file that defines STUDY) in the "
+            "deterministic simulator and writes results.json, "
             "results.csv, table.md and plots into --out. --quick is minutes on 2 CPU cores on embedded data; "
             "without it the full form is the paper's setup (for a GPU)."
         ),
         formatter_class=Defaults,
     )
     p.add_argument("study", nargs="?", help="a study name (see --list) or a path to a study .py file")
-    p.add_argument("--list", action="store_true", help="list the studies in experiments/ and exit")
+    p.add_argument("--list", action="store_true", help="list the studies that ship with asgd_jax and exit")
     p.add_argument("--quick", action="store_true", help="the quick form")
     p.add_argument("--out", default=None, help="output folder [results/<study>]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -503,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="asgd-jax: %(levelname)s: %(name)s: %(message)s")
+    from asgd_jax import cache
+
+    cache.enable()  # compiled programs kept across runs ($ASGD_JAX_CACHE_DIR moves it, =off disables it)
     try:
         if getattr(args, "config", None):  # file values become the defaults; flags on the command line still win
             args.parser.set_defaults(**load_config(args.config, args.actions))

@@ -28,7 +28,7 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["DelayModel", "Event", "FixedDelay", "RandomDelay", "Trace", "Workers"]
+__all__ = ["Event", "FixedDelay", "RandomDelay", "Structure", "Trace", "Workers", "is_delay_model", "split"]
 
 COMPUTE_TIME_KINDS = ("exponential", "constant", "lognormal")
 
@@ -49,16 +49,47 @@ class Event(NamedTuple):
     time: jax.Array
 
 
-class DelayModel:
-    """Interface of a delay model (documentation only; the engines duck-type it).
+def is_delay_model(value: Any) -> bool:
+    """Whether ``value`` offers the delay-model interface the engines use: static ints ``num_slots`` (backups the
+    server keeps) and ``num_shards`` (data shards), and pure, traceable ``init(key, n_sync) -> state`` and
+    ``next(state, t, key, n_sync) -> (state, Event)`` (``key`` already folded with the update index ``t``)."""
+    return all(hasattr(value, a) for a in ("num_slots", "num_shards", "init", "next"))
 
-    ``num_slots`` (backups the server keeps) and ``num_shards`` (data shards) are static ints.
-    ``init(key) -> state`` and ``next(state, t, key) -> (state, Event)`` are pure and traceable; ``t`` is the int32
-    index of the update and ``key`` is already folded with ``t``.
+
+class Structure(NamedTuple):
+    """A delay model's static part: its class and static fields (the pytree structure) and which leaves are literal
+    zeros. Hashable: it keys a compiled program, and :meth:`build` puts the numbers back in, traced or not.
+
+    A literal ``0`` stays in the structure rather than becoming a traced number, because a zero can switch work off
+    (``Workers(straggler_prob=0.0)`` draws no stragglers); every other number is an argument of the program.
     """
 
-    num_slots: int
-    num_shards: int
+    treedef: Any
+    zeros: tuple[tuple[int, Any], ...]  # (leaf index, the literal) of every literal-zero leaf
+
+    def build(self, numbers: list[Any]) -> Any:
+        """The delay model with ``numbers`` (the non-zero leaves, in order) put back."""
+        numbers, zeros = iter(numbers), dict(self.zeros)
+        leaves = [zeros[i] if i in zeros else next(numbers) for i in range(self.treedef.num_leaves)]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def split(model: Any) -> tuple[Structure, list[jax.Array]]:
+    """``model``'s :class:`Structure` and its numbers (as given): what a compiled program is keyed on, and what it
+    takes as arguments (so a model with other speeds, times or probabilities reuses the program).
+
+    Example:
+      >>> import asgd_jax
+      >>> a, numbers = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=2.0))
+      >>> b, _ = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=3.0))
+      >>> a == b, len(numbers)  # mean_compute_time, sigma, straggler_slowdown (the zeros are structure)
+      (True, 3)
+    """
+    leaves, treedef = jax.tree.flatten(model)
+    literal = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and x == 0
+    zeros = tuple((i, x) for i, x in enumerate(leaves) if literal(x))
+    numbers = [x for x in leaves if not literal(x)]
+    return Structure(treedef, zeros), numbers
 
 
 def _pytree_dataclass(cls, meta: tuple[str, ...]):
@@ -77,8 +108,11 @@ def _check_int(name: str, value: Any, lowest: int) -> None:
 
 
 def _check_array(name: str, value: Any, ok, expected: str) -> None:
-    if value is not None and _is_concrete(value) and not bool(np.all(ok(np.asarray(value)))):
-        raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be {expected}.")
+    if value is None or not _is_concrete(value):
+        return
+    numeric = not isinstance(value, bool | str) and np.issubdtype(np.asarray(value).dtype, np.number)
+    if not numeric or not bool(np.all(np.isfinite(np.asarray(value)) & ok(np.asarray(value)))):
+        raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be a finite number {expected}.")
 
 
 class Workers:
@@ -126,11 +160,16 @@ class Workers:
         _check_array("straggler_slowdown", self.straggler_slowdown, lambda v: v >= 1, ">= 1")
         _check_array("comm_time", self.comm_time, lambda v: v >= 0, ">= 0")
         if self.speeds is not None and _is_concrete(self.speeds):
-            speeds = np.asarray(self.speeds)
-            if speeds.shape[-1:] != (self.num,) or not np.all(speeds > 0):
+            try:
+                speeds = np.asarray(self.speeds, np.float32)
+            except (TypeError, ValueError):
+                speeds = np.zeros(0)
+            if speeds.shape[-1:] != (self.num,) or not np.all(speeds > 0) or not np.all(np.isfinite(speeds)):
                 raise errors.ConfigError(
                     f"speeds={self.speeds!r} is invalid: give {self.num} positive speed factors, one per worker."
                 )
+            if not isinstance(self.speeds, np.ndarray | jax.Array):  # one array (one leaf), not a list of numbers
+                object.__setattr__(self, "speeds", speeds)
 
     @property
     def num_slots(self) -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "choice",
     "finite_number",
     "int_at_least",
+    "is_int",
     "positive_int",
     "require",
 ]
@@ -55,13 +56,14 @@ def require(ok: bool, name: str, value: Any, allowed: str, flag: str | None = No
         raise ConfigError(f"{name}={value!r}{where} is invalid: {allowed}.")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int (a Python or NumPy integer, not a bool)."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def int_at_least(name: str, value: Any, lowest: int, flag: str | None = None) -> int:
     """``value`` as an int, if it is an int >= ``lowest``."""
-    require(_is_int(value) and value >= lowest, name, value, f"use an int >= {lowest}", flag)
+    require(is_int(value) and value >= lowest, name, value, f"use an int >= {lowest}", flag)
     return int(value)
 
 

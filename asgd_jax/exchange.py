@@ -29,22 +29,21 @@ import numpy as np
 from asgd_jax import errors
 
 __all__ = [
-    "MODES",
-    "PUSHES",
     "Exchange",
     "Loss",
     "as_loss",
+    "batch_shapes",
+    "check_params",
+    "eval_parts",
     "host_mean",
     "key_fingerprint",
+    "key_fingerprint_tree",
     "mean_tree",
     "split_key",
     "validate",
     "work",
     "worker_function",
 ]
-
-MODES = ("async", "sync")
-PUSHES = ("gradients", "delta", "accumulate")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -173,14 +172,10 @@ def as_loss(loss_fn: Callable | Loss, *, has_model_state: bool, has_aux: bool = 
 
 @dataclasses.dataclass(frozen=True)
 class Exchange:
-    """Everything static about a worker's exchange period: it decides the compiled program.
+    """Everything static about a worker's exchange period, fitted to the data: it decides the compiled program.
 
     Attributes:
-      mode: ``"async"`` (A-SGD) or ``"sync"`` (SSGD: the mean of the M workers' payloads is applied once).
-      n_sync: minibatches a worker computes between two exchanges (GPU A-SGD).
-      push: with ``n_sync > 1``, ``"gradients"`` (local steps, push the summed gradients), ``"delta"`` (local steps,
-        push ``w_pulled - w_local``) or ``"accumulate"`` (no local steps, push the summed gradients).
-      batch_size: minibatch of every worker.
+      mode, n_sync, push, batch_size: the plan's (:class:`asgd_jax.Plan`).
       num_examples: training examples N.
       shard_size: examples per worker's shard in an epoch (``N // num_shards``).
       stateful: the loss carries a model state (BatchNorm statistics).
@@ -194,70 +189,53 @@ class Exchange:
     shard_size: int
     stateful: bool
 
+    @property
+    def local_steps(self) -> bool:
+        """Whether a worker takes local SGD steps between its exchanges (see :attr:`asgd_jax.Plan.local_steps`)."""
+        return self.push == "delta" or (self.n_sync > 1 and self.push != "accumulate")
+
     @classmethod
-    def create(
-        cls,
-        data: Any,
-        num_shards: int,
-        *,
-        mode: str = "async",
-        n_sync: int = 1,
-        push: str = "gradients",
-        batch_size: int = 32,
-        local_learning_rate: float | None = None,
-        stateful: bool = False,
-    ) -> Exchange:
-        """Validates the settings against the data (every mistake is reported here, before anything is traced)."""
-        errors.choice("mode", mode, MODES)
-        errors.choice("push", push, PUSHES)
-        n_sync = errors.positive_int("n_sync", n_sync)
-        batch_size = errors.positive_int("batch_size", batch_size)
-        if n_sync > 1 and push != "accumulate":
-            if local_learning_rate is None:
-                raise errors.ConfigError(
-                    f"n_sync={n_sync} (--n-sync) with push={push!r} takes local SGD steps between exchanges: pass "
-                    "local_learning_rate=<float> (--local-lr), or use push='accumulate' (no local steps)."
-                )
-            errors.finite_number("local_learning_rate", local_learning_rate, positive=True)
+    def create(cls, plan: Any, data: Any, *, stateful: bool = False) -> Exchange:
+        """The plan's exchange fitted to the data (a batch must fit in a worker's shard), before anything is traced."""
         num_examples = _num_examples(data)
+        num_shards = plan.delays.num_shards
         shard_size = num_examples // num_shards
-        if batch_size > shard_size:
+        if plan.batch_size > shard_size:
             raise errors.ConfigError(
-                f"batch_size={batch_size} is larger than a shard: {num_examples} examples over {num_shards} "
+                f"batch_size={plan.batch_size} is larger than a shard: {num_examples} examples over {num_shards} "
                 f"shards leaves {shard_size} per shard. Lower batch_size or the number of workers."
             )
-        return cls(mode, n_sync, push, batch_size, num_examples, shard_size, bool(stateful))
+        return cls(plan.mode, plan.n_sync, plan.push, plan.batch_size, num_examples, shard_size, bool(stateful))
 
 
-def validate(
-    loss: Loss,
-    data: Any,
-    params: Any,
-    model_state: Any,
-    num_shards: int,
-    *,
-    mode: str = "async",
-    n_sync: int = 1,
-    push: str = "gradients",
-    batch_size: int = 32,
-    local_learning_rate: float | None = None,
-) -> Exchange:
-    """Everything an engine checks before it starts: the exchange settings against the data, finite initial weights,
+def validate(loss: Loss, data: Any, params: Any, model_state: Any, plan: Any) -> Exchange:
+    """Everything an engine checks before it starts: the plan's exchange against the data, finite initial weights,
     and the loss's declared form on a minibatch's shapes. Returns the run's :class:`Exchange`."""
-    ex = Exchange.create(
-        data,
-        num_shards,
-        mode=mode,
-        n_sync=n_sync,
-        push=push,
-        batch_size=batch_size,
-        local_learning_rate=local_learning_rate,
-        stateful=loss.has_model_state,
-    )
-    if not all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(params))):
-        raise errors.ConfigError("params hold NaN or Inf: start from finite weights (check the initialisation).")
-    loss.check(params, {} if model_state is None else model_state, jax.tree.map(lambda a: a[:batch_size], data))
+    ex = Exchange.create(plan, data, stateful=loss.has_model_state)
+    check_params(params)
+    loss.check(params, {} if model_state is None else model_state, batch_shapes(data, plan.batch_size))
     return ex
+
+
+def batch_shapes(data: Any, batch_size: int) -> Any:
+    """The shapes and dtypes of one minibatch of ``data`` (abstract: nothing is sliced or copied)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((batch_size, *np.shape(a)[1:]), jnp.result_type(a)), data)
+
+
+def check_params(params: Any) -> None:
+    """Raises a ``ConfigError`` unless ``params`` is a pytree of finite float arrays (the initial weights)."""
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise errors.ConfigError(f"params={params!r} holds no arrays: pass the model's initial weights (a pytree).")
+    for leaf in leaves:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise errors.ConfigError(
+                f"params hold a leaf of type {getattr(leaf, 'dtype', type(leaf).__name__)}: the weights must be float "
+                "arrays (e.g. jnp.zeros(3), not [0, 0, 0] or jnp.zeros(3, jnp.int32))."
+            )
+    if not all(bool(np.all(np.isfinite(x))) for x in jax.device_get(leaves)):
+        raise errors.ConfigError("params hold NaN or Inf: start from finite weights (check the initialisation).")
 
 
 def _num_examples(data: Any) -> int:
@@ -306,11 +284,11 @@ def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, l
     return payload, model_state, losses.mean(), jax.tree.map(jnp.mean, auxes)
 
 
-def worker_function(loss: Loss, ex: Exchange, num_workers: int, local_learning_rate: float | None) -> Callable:
+def worker_function(loss: Loss, ex: Exchange, num_workers: int, local_lr: float | None) -> Callable:
     """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
     (payload, model_state, loss, aux)``: :func:`work` with the simulator's keys, so a recorded run replays."""
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
-    local_lr = np.float32(0.0 if local_learning_rate is None else local_learning_rate)  # a compile-time constant
+    local_lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
 
     def run(p, ms, b, k, v, w):  # the update's model key is made on the device from explicit inputs
         # SSGD splits the update's key over the workers; an asynchronous worker folds in the version it pulled, then
@@ -337,6 +315,24 @@ def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 def key_fingerprint(keys: jax.Array) -> str:
     """A short hash of a key (or of an array of keys), to tell runs apart in checkpoint headers."""
     return hashlib.sha256(np.asarray(jax.random.key_data(keys)).tobytes()).hexdigest()[:16]
+
+
+def eval_parts(eval_fn: Callable) -> tuple[Callable, Any]:
+    """``eval_fn`` as ``(evaluate(params, model_state, data) -> dict, data)``: an evaluation that carries its data
+    (:class:`asgd_jax.models.Evaluation`) hands it over, so a compiled program takes the held-out split as an argument
+    instead of a constant; any other ``eval_fn(params, model_state)`` is taken as it is (with no data)."""
+    if callable(getattr(eval_fn, "evaluate", None)) and hasattr(eval_fn, "data"):
+        return eval_fn.evaluate, eval_fn.data
+    return (lambda params, model_state, data: eval_fn(params, model_state)), None
+
+
+def key_fingerprint_tree(tree: Any) -> str:
+    """A short hash of a pytree of numbers (a run's hyperparameters), to tell runs apart in checkpoint headers."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(tree)):
+        leaf = np.asarray(leaf)
+        digest.update(f"{leaf.dtype}{leaf.shape}".encode() + leaf.tobytes())
+    return digest.hexdigest()[:16]
 
 
 def mean_tree(tree: Any) -> Any:

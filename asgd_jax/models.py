@@ -16,6 +16,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -23,6 +24,7 @@ from asgd_jax import errors, exchange, preprocess
 
 __all__ = [
     "MODELS",
+    "Evaluation",
     "Model",
     "NnxModel",
     "accuracy",
@@ -385,17 +387,24 @@ def classification_loss(model: Model | NnxModel, *, augment: bool = False, paddi
       (True, ['error'])
     """
 
-    def loss_fn(params, model_state, batch, key):
-        x = batch["x"]
-        if augment:
-            x = preprocess.random_crop_flip(jax.random.fold_in(key, 1), x, padding)
-        logits, model_state = model.apply(params, model_state, x, train=True, key=key)
-        return cross_entropy(logits, batch["y"]), (
-            model_state,
-            {"error": 1.0 - accuracy(logits, batch["y"])},
-        )
+    return exchange.Loss(_ClassificationLoss(model, augment, padding), has_model_state=True, has_aux=True)
 
-    return exchange.Loss(loss_fn, has_model_state=True, has_aux=True)
+
+@dataclasses.dataclass(frozen=True)
+class _ClassificationLoss:
+    """:func:`classification_loss`'s function: a value, so that the same model's loss made twice keys one compiled
+    program."""
+
+    model: Any
+    augment: bool
+    padding: int
+
+    def __call__(self, params, model_state, batch, key):
+        x = batch["x"]
+        if self.augment:
+            x = preprocess.random_crop_flip(jax.random.fold_in(key, 1), x, self.padding)
+        logits, model_state = self.model.apply(params, model_state, x, train=True, key=key)
+        return cross_entropy(logits, batch["y"]), (model_state, {"error": 1.0 - accuracy(logits, batch["y"])})
 
 
 def classification_eval(
@@ -420,32 +429,55 @@ def classification_eval(
         flips): GPU A-SGD's multi-crop testing.
     """
 
-    def logits_of(params, model_state, xb):
-        apply = lambda v: model.apply(params, model_state, v, train=False)[0]
-        if multi_crop:
-            return preprocess.multi_crop_logits(apply, xb, crop or xb.shape[1])
-        return apply(xb if crop is None else preprocess.center_crop(xb, crop))
-
-    x, y = jnp.asarray(data["x"]), jnp.asarray(data["y"])
-    n = int(y.shape[0])
-    if n == 0:
+    errors.require(
+        isinstance(data, dict) and {"x", "y"} <= set(data), "data", type(data).__name__, "give {'x': ..., 'y': ...}"
+    )
+    if not np.shape(data["y"]) or int(np.shape(data["y"])[0]) == 0:
         raise errors.ConfigError("classification_eval got an empty split: give at least one example.")
-    size = min(batch_size, n)
-    full = n // size
+    errors.positive_int("batch_size", batch_size)
+    return Evaluation(model, {"x": data["x"], "y": data["y"]}, int(batch_size), crop, bool(multi_crop))
 
-    def sums(params, model_state, xb, yb):
-        logits = logits_of(params, model_state, xb)
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """:func:`classification_eval`'s ``eval_fn``: ``evaluation(params, model_state) -> {"loss", "error"}``.
+
+    Its data is apart from its function (:meth:`evaluate` takes it as an argument), so an engine passes the held-out
+    split to its compiled program as an argument rather than baking it in as a constant; two evaluations of equal
+    models and settings compare equal (the data is not compared), so they key one program.
+    """
+
+    model: Any
+    data: dict[str, Any] = dataclasses.field(compare=False, repr=False)
+    batch_size: int = 1024
+    crop: int | None = None
+    multi_crop: bool = False
+
+    def __call__(self, params, model_state) -> dict[str, jax.Array]:
+        return self.evaluate(params, model_state, jax.tree.map(jnp.asarray, self.data))
+
+    def _logits(self, params, model_state, xb):
+        apply = lambda v: self.model.apply(params, model_state, v, train=False)[0]
+        if self.multi_crop:
+            return preprocess.multi_crop_logits(apply, xb, self.crop or xb.shape[1])
+        return apply(xb if self.crop is None else preprocess.center_crop(xb, self.crop))
+
+    def _sums(self, params, model_state, xb, yb):
+        logits = self._logits(params, model_state, xb)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
         return losses.sum(), (jnp.argmax(logits, -1) != yb).sum()
 
-    def eval_fn(params, model_state):
+    def evaluate(self, params, model_state, data) -> dict[str, jax.Array]:
+        """The loss and error on ``data`` (``{"x", "y"}``, this evaluation's split or one of its shape)."""
+        x, y = data["x"], data["y"]
+        n = int(y.shape[0])
+        size = min(self.batch_size, n)
+        full = n // size
         xs = x[: full * size].reshape(full, size, *x.shape[1:])
         ys = y[: full * size].reshape(full, size)
-        loss, wrong = jax.lax.map(lambda b: sums(params, model_state, *b), (xs, ys))
+        loss, wrong = jax.lax.map(lambda b: self._sums(params, model_state, *b), (xs, ys))
         loss, wrong = loss.sum(), wrong.sum()
         if full * size < n:
-            rest_loss, rest_wrong = sums(params, model_state, x[full * size :], y[full * size :])
+            rest_loss, rest_wrong = self._sums(params, model_state, x[full * size :], y[full * size :])
             loss, wrong = loss + rest_loss, wrong + rest_wrong
         return {"loss": loss / n, "error": wrong.astype(jnp.float32) / n}
-
-    return eval_fn

@@ -281,7 +281,7 @@ class _Driver:
     """The driver's side of a Ray session: the actors, the progress bar, metrics.jsonl, the evaluator, failures."""
 
     def __init__(self, ray, config: TrainConfig, out, eval_fn, eval_device, params, model_state):
-        self.ray, self.c, self.out, self.M = ray, config, out, config.workers
+        self.ray, self.c, self.out, self.M = ray, config, out, config.plan.workers
         self.run_id = os.urandom(4).hex()
         self.metrics = session.MetricsLog(self.M)
         self.evaluator = None
@@ -304,7 +304,7 @@ class _Driver:
         pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
         store_kwargs = {
             "model_state": jax.device_get(model_state),
-            "num_updates": c.num_updates,
+            "num_updates": c.plan.num_updates,
             "out_dir": self.out,
             "on_nonfinite": c.on_nonfinite,
             "checkpoint_dir": self.out,
@@ -324,19 +324,19 @@ class _Driver:
                 max_task_retries=0,
                 scheduling_strategy=pin,
             )
-            .remote(rule, jax.device_get(params), self.M, store_kwargs, c.mode)
+            .remote(rule, jax.device_get(params), self.M, store_kwargs, c.plan.mode)
         )
         worker_config = {
             "ex": ex,
             "num_workers": self.M,
-            "local_lr": c.local_lr,
+            "local_lr": c.plan.local_lr,
             "key": c.key(),
             "devices_per_worker": c.devices_per_worker,
-            "batch_size": c.batch_size,
+            "batch_size": c.plan.batch_size,
             "n_sync": ex.n_sync,
             "stateful": model_state is not None,
             "slowdown": c.slowdown,
-            "mode": c.mode,
+            "mode": c.plan.mode,
         }
         data_ref = ray.put(data)
         actor = ray.remote(WorkerActor)
@@ -422,7 +422,7 @@ class _Driver:
             self.restarts[w] += 1  # Ray restarted the actor; in SSGD it rejoins its round
             log.warning("worker %d restarted (%d of %d)", w, self.restarts[w], c.max_restarts)
             running[self.workers[w].run.remote()] = w
-        elif c.on_worker_failure == "stop" or c.mode == "sync":  # SSGD cannot go on without a worker
+        elif c.on_worker_failure == "stop" or c.plan.mode == "sync":  # SSGD cannot go on without a worker
             ray.get(self.store.close.remote())
 
     def _loop(self, bar) -> bool:
@@ -463,11 +463,11 @@ class _Driver:
         self.start_time = time.perf_counter()
         self.metrics.restart_clock(self.start_time)
         bar = tqdm(
-            total=self.c.num_updates,
+            total=self.c.plan.num_updates,
             initial=self.status["applied"],
             disable=not self.c.progress,
             unit="update",
-            desc=f"{self.c.mode} x{self.M} (ray)",
+            desc=f"{self.c.plan.mode} x{self.M} (ray)",
             dynamic_ncols=True,
         )
         try:

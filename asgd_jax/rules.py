@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from asgd_jax import errors
+from asgd_jax.recipes import recipe
 
 __all__ = [
     "RULES",
@@ -126,6 +127,7 @@ class ScaleByDelayCompensationState(NamedTuple):
     mean_square: optax.Updates | None
 
 
+@recipe
 def scale_by_delay_compensation(
     lam: float | jax.Array = 0.04,
     *,
@@ -236,6 +238,7 @@ def scale_by_delay_compensation(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@recipe
 def dc_asgd(
     learning_rate: ScalarOrSchedule,
     lam: float | jax.Array = 0.04,
@@ -294,6 +297,7 @@ def dc_asgd(
     )
 
 
+@recipe
 def asgd(
     learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
 ) -> optax.GradientTransformationExtraArgs:
@@ -341,6 +345,7 @@ def _scale_by(factor_fn) -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@recipe
 def scale_by_staleness() -> optax.GradientTransformationExtraArgs:
     r"""Divides the gradient by its staleness (Zhang et al. 2016); staleness 0 counts as 1.
 
@@ -362,6 +367,7 @@ def scale_by_staleness() -> optax.GradientTransformationExtraArgs:
     return _scale_by(lambda tau: 1.0 / jnp.maximum(tau, 1).astype(jnp.float32))
 
 
+@recipe
 def staleness_aware_sgd(
     learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
 ) -> optax.GradientTransformationExtraArgs:
@@ -376,6 +382,7 @@ def staleness_aware_sgd(
     return optax.chain(scale_by_staleness(), _sgd(learning_rate, momentum, nesterov))
 
 
+@recipe
 def scale_by_delay_adaptive(num_workers: int | jax.Array) -> optax.GradientTransformationExtraArgs:
     r"""Scales the step by :math:`\min(1, M / \tau)`: full steps unless the delay exceeds the worker count.
 
@@ -401,6 +408,7 @@ def scale_by_delay_adaptive(num_workers: int | jax.Array) -> optax.GradientTrans
     return _scale_by(factor)
 
 
+@recipe
 def delay_adaptive_sgd(
     learning_rate: ScalarOrSchedule,
     num_workers: int | jax.Array,
@@ -419,6 +427,7 @@ def delay_adaptive_sgd(
     return optax.chain(scale_by_delay_adaptive(num_workers), _sgd(learning_rate, momentum, nesterov))
 
 
+@recipe
 def drop_stale(max_staleness: int | jax.Array) -> optax.GradientTransformationExtraArgs:
     r"""Zeroes an update whose staleness exceeds ``max_staleness`` (TensorFlow's old DropStaleGradientOptimizer).
 
@@ -460,6 +469,7 @@ class GapAwareState(NamedTuple):
     max_rate: jax.Array
 
 
+@recipe
 def gap_aware(
     learning_rate: ScalarOrSchedule,
     *,
@@ -550,6 +560,7 @@ class DelayedNesterovState(NamedTuple):
     buffer: optax.Updates
 
 
+@recipe
 def delayed_nesterov(
     learning_rate: ScalarOrSchedule,
     *,
@@ -642,6 +653,7 @@ class DanaState(NamedTuple):
     velocity_sum: optax.Updates
 
 
+@recipe
 def dana(
     learning_rate: ScalarOrSchedule,
     *,
@@ -714,6 +726,7 @@ def dana(
     return PullRule(init_fn, update_fn, pull_fn)
 
 
+@recipe(static=("index",))  # a concrete index picks the rule at compile time; a traced one (a sweep's) at run time
 def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTransformationExtraArgs | PullRule:
     """The rule ``choices[index]``, with ``index`` possibly traced: a sweep runs different rules in one program.
 
@@ -764,11 +777,13 @@ def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTran
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@recipe
 def _named_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False):
     """Sequential SGD: the ``asgd`` rule, named for runs with one worker (or a reference)."""
     return asgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
 
+@recipe
 def _named_dc_asgd_c(
     learning_rate: ScalarOrSchedule,
     lam: float | jax.Array = 0.04,
@@ -780,6 +795,7 @@ def _named_dc_asgd_c(
     return dc_asgd(learning_rate, lam, momentum=momentum, nesterov=nesterov)
 
 
+@recipe
 def _named_dc_asgd_a(
     learning_rate: ScalarOrSchedule,
     lam: float | jax.Array = 2.0,
@@ -887,12 +903,14 @@ def get(name: str, learning_rate: ScalarOrSchedule, **hyperparameters: Any) -> o
 
 def register(name: str, factory: Callable[..., optax.GradientTransformationExtraArgs]) -> None:
     """Adds ``factory(learning_rate, **hyperparameters)`` to the registry under ``name`` (replacing an earlier one), so
-    that :func:`get`, the command line and the studies know it."""
+    that :func:`get`, the command line and the studies know it. It is made a :func:`asgd_jax.recipes.recipe`: rules
+    :func:`get` builds from it with other numbers share one compiled program."""
     if not isinstance(name, str) or not name.isidentifier():
         raise errors.ConfigError(f"name={name!r} is invalid: use an identifier such as 'my_rule'.")
     if not callable(factory):
         raise errors.ConfigError(f"factory={factory!r} is invalid: give a function (learning_rate, **hp) -> rule.")
-    RULES[name] = factory
+    # As a recipe, the rules it builds key one compiled program whatever their numbers (see asgd_jax.recipes).
+    RULES[name] = factory if getattr(factory, "is_recipe", False) else recipe(factory)
 
 
 def fingerprint(rule: optax.GradientTransformation, params: Any) -> str:

@@ -23,7 +23,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asgd_jax import checkpoint, errors, exchange
+from asgd_jax import checkpoint, errors
+from asgd_jax.delays import Workers
+from asgd_jax.plan import Plan
 
 __all__ = [
     "BACKENDS",
@@ -55,29 +57,29 @@ NONFINITE_POLICIES = ("reject", "stop")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run's settings, validated when made.
+    """One training run's settings, validated when made: its :class:`asgd_jax.Plan` and how the trainer runs it.
 
-    Each field is a flag of ``asgd-jax train`` with the same name (``n_sync`` is ``--n-sync``; ``progress=False`` is
-    ``--no-progress``; ``--steps`` is an alias of ``--num-updates``); a TOML or JSON ``--config`` file uses the same
-    names. The model, data and rule are :func:`asgd_jax.trainer.train`'s other arguments.
+    The plan is the run's static description, the same value the simulator reads: the worker count (``Plan(M)``, its
+    delay model ``Workers(M)``: the trainer's delays are real, measured and recorded in ``trace.jsonl``), the budget,
+    the batch, the exchange pattern (``mode``, ``n_sync``, ``push``, ``local_lr``) and the cadence (``eval_every``,
+    ``checkpoint_every``). Every field of the plan and of this class is a flag of ``asgd-jax train`` with the same name
+    (``--workers M`` for the plan's delays; ``progress=False`` is ``--no-progress``; ``--steps`` is an alias of
+    ``--num-updates``); a TOML or JSON ``--config`` file uses the same names. The model, data and rule are
+    :func:`asgd_jax.trainer.train`'s other arguments.
 
     Attributes:
-      workers: M workers (threads, or Ray actors).
-      num_updates: server updates (applied pushes) of the whole run, warm-up included.
-      batch_size: minibatch of every worker.
+      plan: the run's :class:`asgd_jax.Plan` (default: 4 workers, 2,000 updates, batch 32); ``num_updates`` counts the
+        warm-up too. ``checkpoint_every`` (default a tenth of the run) needs ``out``; ``eval_every`` defaults to a
+        tenth of the run, with an ``eval_fn``.
       seed: the run's key is ``jax.random.key(seed)``: it fixes every worker's minibatch order and model randomness
         (the simulator's, for replay).
-      mode: ``"async"`` (A-SGD) or ``"sync"`` (SSGD on the same devices: the mean of the M payloads applied once per
-        round; equals ``simulate(mode="sync")``).
-      n_sync, push, local_lr: the exchange period (GPU A-SGD; see :class:`asgd_jax.exchange.Exchange`).
       devices_per_worker: devices per worker; worker w owns group ``w mod (devices // devices_per_worker)``, its
         minibatch is split over the group and the gradients averaged inside it.
-      out: the run's folder: ``trace.jsonl``, ``metrics.jsonl``, ``checkpoint.npz``, ``model.npz``, ``summary.json``.
-      checkpoint_every: updates between checkpoints (default: a tenth of the run); needs ``out``.
+      out: the run's folder: ``plan.json``, ``trace.jsonl``, ``metrics.jsonl``, ``checkpoint.npz``, ``model.npz``,
+        ``summary.json``.
       resume: ``True``: continue from ``out``'s checkpoint (one must be there); ``"auto"``: continue if there is one,
         else start; ``False``: start (an existing checkpoint is an error, never overwritten).
       warm_start_steps: first this many updates with a single worker, then all M start from its weights.
-      eval_every: updates between evaluations (default: a tenth of the run), when an ``eval_fn`` is given.
       log_every: seconds between records of ``metrics.jsonl`` (and progress-bar refreshes).
       progress: show a progress bar.
       on_worker_failure: ``"continue"`` (the others carry on) or ``"stop"``; SSGD always stops.
@@ -90,29 +92,22 @@ class TrainConfig:
       max_restarts: Ray: how often a dead worker actor is restarted before it is dropped.
 
     Example:
-      >>> from asgd_jax.trainer import TrainConfig
-      >>> TrainConfig(workers=4, num_updates=100).n_sync
-      1
-      >>> TrainConfig(workers=0)
+      >>> import asgd_jax
+      >>> config = asgd_jax.TrainConfig(asgd_jax.Plan(4, num_updates=100), seed=1)
+      >>> config.plan.workers, config.plan.n_sync
+      (4, 1)
+      >>> asgd_jax.TrainConfig(asgd_jax.Plan(4), seed=-1)
       Traceback (most recent call last):
       ...
-      asgd_jax.errors.ConfigError: workers=0 (--workers) is invalid: use an int >= 1.
+      asgd_jax.errors.ConfigError: seed=-1 (--seed) is invalid: use an int >= 0.
     """
 
-    workers: int = 4
-    num_updates: int = 2_000
-    batch_size: int = 32
+    plan: Plan = dataclasses.field(default_factory=lambda: Plan(4))
     seed: int = 0
-    mode: str = "async"
-    n_sync: int = 1
-    push: str = "gradients"
-    local_lr: float | None = None
     devices_per_worker: int = 1
     out: str | None = None
-    checkpoint_every: int | None = None
     resume: bool | str = False
     warm_start_steps: int = 0
-    eval_every: int | None = None
     log_every: float = 1.0
     progress: bool = True
     on_worker_failure: str = "continue"
@@ -126,16 +121,22 @@ class TrainConfig:
 
     def __post_init__(self):
         flag = lambda name: "--" + name.replace("_", "-")
-        for name in ("workers", "num_updates", "batch_size", "n_sync", "devices_per_worker"):
-            errors.int_at_least(name, getattr(self, name), 1, flag(name))
+        plan = self.plan
+        errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(workers, num_updates=...)")
+        errors.require(
+            isinstance(plan.delays, Workers),
+            "plan.delays",
+            plan.delays,
+            "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn)",
+            "--workers",
+        )
+        errors.int_at_least("devices_per_worker", self.devices_per_worker, 1, flag("devices_per_worker"))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))
-        for name in ("checkpoint_every", "eval_every", "max_nonfinite"):
-            if getattr(self, name) is not None:
-                errors.int_at_least(name, getattr(self, name), 1, flag(name))
+        errors.require(self.seed < 2**32, "seed", self.seed, "use an int < 2**32 (a key's seed)", "--seed")
+        if self.max_nonfinite is not None:
+            errors.int_at_least("max_nonfinite", self.max_nonfinite, 1, flag("max_nonfinite"))
         for name, choices in (
-            ("mode", exchange.MODES),
-            ("push", exchange.PUSHES),
             ("backend", BACKENDS),
             ("on_worker_failure", FAILURE_POLICIES),
             ("on_nonfinite", NONFINITE_POLICIES),
@@ -143,39 +144,41 @@ class TrainConfig:
             errors.choice(name, getattr(self, name), choices, flag(name))
         errors.finite_number("log_every", self.log_every, positive=True, flag=flag("log_every"))
         errors.finite_number("timeout", self.timeout, positive=True, flag=flag("timeout"))
-        if self.local_lr is not None:
-            errors.finite_number("local_lr", self.local_lr, positive=True, flag=flag("local_lr"))
         errors.require(
-            self.warm_start_steps < self.num_updates,
+            self.warm_start_steps < plan.num_updates,
             "warm_start_steps",
             self.warm_start_steps,
-            f"use fewer than num_updates={self.num_updates}",
+            f"use fewer than num_updates={plan.num_updates}",
             flag("warm_start_steps"),
         )
         errors.require(
-            self.batch_size % self.devices_per_worker == 0,
+            plan.batch_size % self.devices_per_worker == 0,
             "batch_size",
-            self.batch_size,
+            plan.batch_size,
             f"use a multiple of devices_per_worker={self.devices_per_worker}",
             flag("batch_size"),
         )
         if self.out is None:
             errors.require(
-                self.checkpoint_every is None,
+                plan.checkpoint_every is None,
                 "checkpoint_every",
-                self.checkpoint_every,
+                plan.checkpoint_every,
                 "checkpoints need an output folder: pass out (--out) too",
                 flag("checkpoint_every"),
             )
             errors.require(not self.resume, "resume", self.resume, "a resume needs out (--out)", flag("resume"))
+        errors.require(self.resume in (True, False, "auto"), "resume", self.resume, "use True, False or 'auto'")
+        errors.require(isinstance(self.progress, bool), "progress", self.progress, "use True or False", "--progress")
         slowdown = dict(self.slowdown or {})
         for w, factor in slowdown.items():
-            ok = isinstance(w, int) and 0 <= w < self.workers and isinstance(factor, int | float) and factor >= 1
+            ok = isinstance(w, int) and 0 <= w < plan.workers and isinstance(factor, int | float) and factor >= 1
             errors.require(
-                ok, "slowdown", slowdown, f"use {{worker in [0, {self.workers}): factor >= 1}}", "--slowdown W:F"
+                ok, "slowdown", slowdown, f"use {{worker in [0, {plan.workers}): factor >= 1}}", "--slowdown W:F"
             )
         object.__setattr__(self, "slowdown", slowdown)
-        object.__setattr__(self, "out", None if self.out is None else os.fspath(self.out))
+        if self.out is not None:
+            errors.require(isinstance(self.out, str | os.PathLike), "out", self.out, "give a folder path", "--out")
+            object.__setattr__(self, "out", os.fspath(self.out))
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A validated copy with ``changes``."""
@@ -187,14 +190,14 @@ class TrainConfig:
             return jax.random.key(self.seed)
 
     def checkpoint_interval(self) -> int | None:
-        """Updates between checkpoints: ``checkpoint_every``, or a tenth of the run with an output folder."""
+        """Updates between checkpoints: ``plan.checkpoint_every``, or a tenth of the run with an output folder."""
         if self.out is None:
             return None
-        return self.checkpoint_every or max(1, self.num_updates // 10)
+        return self.plan.checkpoint_every or max(1, self.plan.num_updates // 10)
 
     def eval_interval(self) -> int:
-        """Updates between evaluations: ``eval_every``, or a tenth of the run."""
-        return self.eval_every or max(1, self.num_updates // 10)
+        """Updates between evaluations: ``plan.eval_every``, or a tenth of the run."""
+        return self.plan.eval_every or max(1, self.plan.num_updates // 10)
 
 
 @dataclasses.dataclass

@@ -8,11 +8,21 @@ the push with :func:`asgd_jax.server.push` and records the pull with :func:`asgd
 scans the step in chunks: between chunks it evaluates, updates the progress bar and writes a checkpoint.
 :func:`sweep` vmaps the same program over keys and hyperparameters, so a grid of runs compiles once.
 
+Compiled once per structure: a run is described by a :class:`asgd_jax.Plan`, and its programs are cached across calls,
+keyed on what shapes them (the plan's structure, the loss, the rule's structure, the shapes and dtypes of the weights
+and the data). Everything numeric is an argument: the initial weights, the key, the rule's numbers (a rule built by
+one of :mod:`asgd_jax.rules`' factories, see :mod:`asgd_jax.recipes`), the delay model's numbers, ``local_lr`` and the
+budget. A run compiles two programs: its start (the initial state and evaluation) and its chunk of
+``plan.chunk_length`` updates; a run whose budget is not a whole number of chunks also compiles (once, for any length)
+the program that runs its last, shorter part. A rule that is a closure of its own is keyed by identity: build it once.
+
 Randomness: the run's key is split into data, delay and model keys; update t draws its delay with
 ``fold_in(delay_key, t)``. The model's randomness (dropout, augmentation) of the worker w that pushes at t uses
 ``fold_in(fold_in(model_key, v), w)``, v the version w pulled (asynchronous), or splits ``fold_in(model_key, t)`` over
-the workers (SSGD): what the trainer's workers know too, so its traces replay with dropout. The same key gives the same
-bits, and a run resumed from a checkpoint continues exactly where it stopped.
+the workers (SSGD): what the trainer's workers know too, so its traces replay with dropout. The same call gives the
+same bits, and a run resumed from a checkpoint continues exactly where it stopped. Row r of a sweep of R >= 2 runs does
+not depend on the other runs or on R; a single run (``simulate``, or a sweep of one) is compiled without the run axis,
+which XLA may reduce in another order: it agrees with the sweep's row to float rounding, not bit for bit.
 
 Data: worker (shard) s draws minibatches from its own shard. A shard's j-th batch belongs to its epoch ``j // K``; in
 epoch e the shards are consecutive slices of one keyed random permutation of the data (:mod:`asgd_jax.order`), so in
@@ -21,13 +31,15 @@ every epoch the shards are disjoint and the data is re-partitioned randomly acro
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
-import math
 import os
+import threading
+import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -37,18 +49,54 @@ import optax
 
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
-from asgd_jax import errors, exchange, order, server
+from asgd_jax import errors, exchange, order, recipes, server
 from asgd_jax.exchange import Exchange
+from asgd_jax.plan import Plan
 
-__all__ = ["SimState", "SimulationResult", "grid", "init", "lower", "shard_indices", "simulate", "sweep"]
+__all__ = [
+    "Prepared",
+    "RecompileWarning",
+    "RunKeys",
+    "SimState",
+    "SimulationResult",
+    "clear_cache",
+    "grid",
+    "init",
+    "lower",
+    "prepare_sweep",
+    "shard_indices",
+    "simulate",
+    "sweep",
+]
 
 NONFINITE = ("warn", "stop", "ignore")
+PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_tail")
+"""The names the simulator's compiled programs carry (in ``jax_log_compiles`` and :mod:`jax.monitoring` events)."""
+COMPILE_EVENT = "/asgd_jax/simulator/compile_duration"
+"""A :mod:`jax.monitoring` duration event: one program compiled (or loaded from the persistent cache), on any thread."""
+WAIT_EVENT = "/asgd_jax/simulator/compile_wait_duration"
+"""A :mod:`jax.monitoring` duration event: how long a run waited for a program it needed to be compiled (zero when a
+compilation ahead of time, :meth:`Prepared.compile`, had finished it)."""
+
+
+class RecompileWarning(UserWarning):
+    """A program was compiled again for an argument that is a new object with the same code as before (a rule, loss
+    or evaluation closure built anew on every call): build it once, or build the rule with :mod:`asgd_jax.rules`."""
 
 
 class DataState(NamedTuple):
     """How many minibatches each shard has taken; with the key this fixes every future batch (see :mod:`order`)."""
 
     taken: jax.Array  # int32 [num_shards]
+
+
+class RunKeys(NamedTuple):
+    """What a run's key is split into, derived once at its start (:func:`asgd_jax.exchange.split_key`): the words that
+    key its data order (:func:`asgd_jax.order.key_words`), and the raw data of its delay and model keys."""
+
+    data_words: jax.Array  # uint32 [4]
+    delay: jax.Array  # uint32 key data
+    model: jax.Array  # uint32 key data
 
 
 class SimState(NamedTuple):
@@ -58,6 +106,7 @@ class SimState(NamedTuple):
     delay: Any
     data: DataState
     clock: jax.Array  # float32 virtual time of the last update
+    keys: RunKeys
 
 
 class SimulationResult(NamedTuple):
@@ -70,73 +119,14 @@ class SimulationResult(NamedTuple):
       metrics: per-update numpy arrays ``loss``, ``staleness``, ``worker``, ``time``, ``epoch`` (effective passes over
         the data) and any auxiliary training metrics the loss returns (e.g. ``error``); with ``eval_fn`` also
         ``eval_update`` (the update count at each evaluation, starting at 0) and ``eval_<name>`` for each metric.
+      plan: the run's :class:`asgd_jax.Plan`.
     """
 
     params: Any
     model_state: Any
     state: SimState
     metrics: dict[str, np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """A run's settings as :func:`simulate` takes them (one record instead of a wall of arguments)."""
-
-    batch_size: int = 32
-    num_updates: int = 2_000
-    mode: str = "async"
-    n_sync: int = 1
-    push: str = "gradients"
-    local_learning_rate: float | None = None
-    eval_every: int | None = None
-    on_nonfinite: str = "warn"
-    chunk: int | None = None  # updates per compiled chunk (default: eval_every, or about a twentieth of the run)
-
-    def chunk_length(self) -> int:
-        return self.chunk or self.eval_every or max(1, min(self.num_updates, math.ceil(self.num_updates / 20)))
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Validation: every mistake a user can make is reported here, before anything is traced or compiled.
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _validate(spec: _Spec, delays, data, loss: exchange.Loss, params, model_state, eval_fn) -> Exchange:
-    """The run's exchange period, once every argument has been checked."""
-    errors.positive_int("num_updates", spec.num_updates)
-    errors.choice("on_nonfinite", spec.on_nonfinite, NONFINITE)
-    if spec.eval_every is not None:
-        errors.positive_int("eval_every", spec.eval_every)
-        if eval_fn is None:
-            raise errors.ConfigError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
-    if not all(hasattr(delays, a) for a in ("num_slots", "num_shards", "init", "next")):
-        raise errors.ConfigError(
-            f"delays={delays!r} is not a delay model: use one of asgd_jax.delays.Workers, Trace, FixedDelay, "
-            "RandomDelay."
-        )
-    if spec.mode == "sync" and not isinstance(delays, delays_lib.Workers):
-        raise errors.ConfigError(
-            f"mode='sync' (SSGD) needs delays=asgd_jax.delays.Workers(M), not {type(delays).__name__}: a barrier "
-            "round averages the M workers' gradients."
-        )
-    if isinstance(delays, delays_lib.Trace) and len(delays) < spec.num_updates:
-        raise errors.ConfigError(
-            f"num_updates={spec.num_updates} but the trace holds only {len(delays)} pushes: lower num_updates or give "
-            "a longer trace."
-        )
-    ex = exchange.validate(
-        loss,
-        data,
-        params,
-        model_state,
-        delays.num_shards,
-        mode=spec.mode,
-        n_sync=spec.n_sync,
-        push=spec.push,
-        batch_size=spec.batch_size,
-        local_learning_rate=spec.local_learning_rate,
-    )
-    return ex
+    plan: Plan | None = None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -177,10 +167,9 @@ def _batch_indices(data_words: jax.Array, ex: Exchange, shard: jax.Array, taken:
 def init(
     rule: optax.GradientTransformation,
     params: Any,
+    plan: Plan | None = None,
     *,
-    delays: Any = None,
     key: jax.Array | None = None,
-    n_sync: int = 1,
     model_state: Any = None,
 ) -> SimState:
     """The simulator's state before the first update (what :func:`simulate` starts from and :func:`lower`'s program
@@ -188,18 +177,24 @@ def init(
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax
-      >>> state = asgd_jax.simulator.init(asgd_jax.asgd(0.1), jnp.zeros(3), delays=asgd_jax.delays.Workers(4))
+      >>> state = asgd_jax.simulator.init(asgd_jax.asgd(0.1), jnp.zeros(3), asgd_jax.Plan(4))
       >>> state.server.backup_params.shape, int(state.server.version)
       ((4, 3), 0)
     """
-    delays = delays_lib.Workers(8) if delays is None else delays
-    key = jax.random.key(0) if key is None else key
-    _, delay_key, _ = exchange.split_key(key)
+    plan = Plan() if plan is None else plan
+    return _init(rule, params, plan.delays, jax.random.key(0) if key is None else key, plan.n_sync, model_state)
+
+
+def _init(rule, params, delays, key, n_sync: int, model_state) -> SimState:
+    # The key's split and the data order's words are made here, once: every chunk would otherwise make them again
+    # (each a PRNG call that XLA compiles anew in every program that makes one).
+    data_key, delay_key, model_key = exchange.split_key(key)
     return SimState(
         server=server.init(rule, params, delays.num_slots, model_state),
         delay=delays.init(delay_key, n_sync),
         data=DataState(jnp.zeros((delays.num_shards,), jnp.int32)),
         clock=jnp.zeros((), jnp.float32),
+        keys=RunKeys(order.key_words(data_key), jax.random.key_data(delay_key), jax.random.key_data(model_key)),
     )
 
 
@@ -245,18 +240,26 @@ class _Schedule(NamedTuple):
     round_key: jax.Array | None
 
 
-def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array):
-    """The chunk's events and minibatches: ``(schedule, delay state, data state)`` after its last update."""
+def _keep(valid: jax.Array | None, i: jax.Array, new: Any, old: Any) -> Any:
+    """``new``, or ``old`` for a row past the ``valid`` ones (a last, shorter chunk); small state only."""
+    if valid is None:
+        return new
+    return jax.tree.map(lambda a, b: jnp.where(i < valid, a, b), new, old)
+
+
+def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, valid: jax.Array | None = None):
+    """The chunk's events and minibatches: ``(schedule, delay state, data state)`` after its last update (after the
+    first ``valid`` rows, when given: the rows past them are computed but change no state)."""
     n_sync = c.ex.n_sync
 
     def one(carry, xs):
-        delay_state, taken = carry
-        t, k = xs
-        delay_state, event = c.delays.next(delay_state, t, k, n_sync)
-        counters = taken[event.shard] + jnp.arange(n_sync, dtype=jnp.int32)
-        return (delay_state, taken.at[event.shard].add(n_sync)), (event, counters)
+        t, k, i = xs
+        delay_state, event = c.delays.next(carry[0], t, k, n_sync)
+        counters = carry[1][event.shard] + jnp.arange(n_sync, dtype=jnp.int32)
+        return _keep(valid, i, (delay_state, carry[1].at[event.shard].add(n_sync)), carry), (event, counters)
 
-    (delay_state, taken), (events, counters) = jax.lax.scan(one, (state.delay, state.data.taken), (ts, k_delays))
+    rows = jnp.arange(ts.shape[0], dtype=jnp.int32)
+    (delay_state, taken), (events, counters) = jax.lax.scan(one, (state.delay, state.data.taken), (ts, k_delays, rows))
     schedule = _Schedule(
         push_slot=events.push_slot,
         pull_slot=events.pull_slot,
@@ -268,16 +271,17 @@ def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array
     return schedule, delay_state, DataState(taken)
 
 
-def _sync_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array):
+def _sync_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, valid: jax.Array | None = None):
     """SSGD rounds: every shard's next ``n_sync`` minibatches per round (the shards move in lock-step) and the
-    clock advanced by the slowest worker, round by round."""
+    clock advanced by the slowest worker, round by round (the first ``valid`` rounds, when given)."""
     length, n_sync, num = ts.shape[0], c.ex.n_sync, c.delays.num_slots
 
-    def tick(clock, k):
-        clock = (clock + c.delays.sync_time(k, n_sync)).astype(jnp.float32)
-        return clock, clock
+    def tick(clock, xs):
+        k, i = xs
+        new = (clock + c.delays.sync_time(k, n_sync)).astype(jnp.float32)
+        return _keep(valid, i, new, clock), new
 
-    _, times = jax.lax.scan(tick, state.clock, k_delays)
+    _, times = jax.lax.scan(tick, state.clock, (k_delays, jnp.arange(length, dtype=jnp.int32)))
     rounds = (
         jnp.arange(length, dtype=jnp.int32)[:, None, None] * n_sync + jnp.arange(n_sync, dtype=jnp.int32)[None, None]
     )
@@ -289,7 +293,8 @@ def _sync_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array)
     schedule = _Schedule(
         push_slot=zeros, pull_slot=zeros, worker=zeros - 1, time=times, indices=indices, round_key=keys
     )
-    return schedule, state.delay, DataState(state.data.taken + length * n_sync)
+    done = length if valid is None else valid
+    return schedule, state.delay, DataState(state.data.taken + done * n_sync)
 
 
 def _async_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
@@ -354,101 +359,369 @@ def _step(c: _Ctx, srv: server.ServerState, x: _Schedule):
     return srv, metrics
 
 
-def _evaluate(eval_fn, state: SimState) -> dict[str, jax.Array]:
-    if eval_fn is None:
+def _evaluate(evaluate, state: SimState, eval_data: Any) -> dict[str, jax.Array]:
+    if evaluate is None:
         return {}
-    out = eval_fn(state.server.params, state.server.model_state)
+    out = evaluate(state.server.params, state.server.model_state, eval_data)
+    if not isinstance(out, Mapping):
+        raise errors.ConfigError(
+            f"eval_fn returned {type(out).__name__}, not a dict of scalars: return e.g. {{'error': error}}."
+        )
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def _make_chunk(grad_fn, rule_fn, delays_fn, ex: Exchange, eval_fn, length: int):
-    """``(state, data, key, hparams, local_lr) -> (state, per-update metrics, evaluation)`` over ``length`` updates.
+def _dynamic_scan(step: Callable, carry: Any, xs: Any, n: jax.Array) -> tuple[Any, Any]:
+    """``lax.scan(step, carry, xs)`` over the first ``n`` (traced) rows of ``xs`` only; the outputs keep every row's
+    place (the rows past ``n`` are zeros). The same step as the scan's, so the same bits."""
+    first = jax.tree.map(lambda a: a[0], xs)
+    shapes = jax.eval_shape(lambda c, x: step(c, x)[1], carry, first)
+    length = jax.tree.leaves(xs)[0].shape[0]
+    ys = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), shapes)
 
-    ``length`` is static: a loop with a known trip count runs without asking the host whether to go on (on a GPU a
-    traced count cost a device-to-host round trip per update), so a run's last, shorter chunk compiles a program of
-    its own.
+    def body(i, c):
+        carry, ys = c
+        carry, y = step(carry, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
+        return carry, jax.tree.map(lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), ys, y)
+
+    return jax.lax.fori_loop(0, n, body, (carry, ys))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The programs: built once per structure, cached across calls.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _Source(NamedTuple):
+    """Where a program gets each run's rule and delay model from: ``rule(hparams, numbers)`` and
+    ``delays(hparams, numbers)`` inside the program, keyed (``rule_key``, ``delays_key``) by what they depend on
+    besides the numbers."""
+
+    rule: Callable
+    rule_key: Hashable
+    delays: Callable
+    delays_key: Hashable
+
+
+class _Key(NamedTuple):
+    """What a compiled program depends on; its numbers are arguments."""
+
+    loss: Hashable
+    eval_fn: Hashable
+    rule: Hashable
+    delays: Hashable
+    plan: Hashable
+    exchange: Exchange
+    avals: Hashable  # the structure, shapes and dtypes of the weights, model state and data
+    runs: int | None  # None: one run (simulate); R: a sweep of R runs
+
+
+class _Program:
+    """A run's compiled pieces, each compiled once per shapes of its arguments (and kept with the program).
+
+    ``start(params, model_state, eval_data, keys, hparams, numbers) -> (state, evaluation)``; ``chunk(state, data,
+    eval_data, keys, hparams, numbers, evaluate) -> (state, per-update metrics, evaluation)`` over
+    ``plan.chunk_length`` updates (the evaluation only where ``evaluate``); ``tail(..., evaluate, n)``: the same over
+    the first ``n`` updates of a chunk (a run's last, shorter part: a loop whose trip count is an argument).
+
+    :meth:`call` runs one, compiling it first if needed (ahead-of-time: ``lower(...).compile()``), so that
+    :meth:`Prepared.compile` can compile a run's programs on another thread while an earlier run computes; a call that
+    finds its program being compiled elsewhere waits for it instead of compiling it again.
     """
 
-    def chunk(state, data, key, hparams, local_lr):
-        rule, delays = rule_fn(hparams), delays_fn(hparams)
-        data_key, delay_key, model_key = exchange.split_key(key)
-        c = _Ctx(grad_fn, rule, delays, ex, data, order.key_words(data_key), local_lr, model_key)
+    def __init__(self, jitted: dict[str, Callable], evaluates: bool):
+        self.jitted, self.evaluates = jitted, evaluates
+        self._lock = threading.Lock()
+        self._compiled: dict[Hashable, Any] = {}
+        self._pending: dict[Hashable, threading.Event] = {}
+
+    def compiled(self, name: str, *args: Any) -> Any:
+        """The compiled ``name`` program for arguments shaped like ``args`` (arrays or ``jax.ShapeDtypeStruct``)."""
+        key = (name, _aval_key(args))
+        while True:
+            with self._lock:
+                if key in self._compiled:
+                    return self._compiled[key]
+                event = self._pending.get(key)
+                if event is None:
+                    self._pending[key] = event = threading.Event()
+                    break
+            event.wait()  # another thread is compiling it
+        started = time.perf_counter()
+        try:
+            compiled = self.jitted[name].lower(*args).compile()
+            with self._lock:
+                self._compiled[key] = compiled
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+            event.set()
+            jax.monitoring.record_event_duration_secs(COMPILE_EVENT, time.perf_counter() - started)
+        return compiled
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Runs the ``name`` program on ``args``; the time it waits for a compilation is reported as
+        :data:`WAIT_EVENT`."""
+        started = time.perf_counter()
+        compiled = self.compiled(name, *args)
+        jax.monitoring.record_event_duration_secs(WAIT_EVENT, time.perf_counter() - started)
+        return compiled(*args)
+
+
+def _aval_key(args: Any) -> Hashable:
+    """What a compiled program is specialised to: the structure, shapes, dtypes and weak types of its arguments."""
+    leaves, treedef = jax.tree.flatten(args)
+
+    def one(x):
+        if isinstance(x, bool | int | float):  # a Python number reaches a program weakly typed
+            return ((), jnp.result_type(type(x)).name, True)
+        return (tuple(np.shape(x)), str(x.dtype), bool(getattr(x, "weak_type", False)))
+
+    return treedef, tuple(one(x) for x in leaves)
+
+
+def _make_program(key: _Key, loss: exchange.Loss, source: _Source, ex: Exchange, eval_fn, length: int) -> _Program:
+    grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
+    batched = key.runs is not None
+    evaluator = None if eval_fn is None else exchange.eval_parts(eval_fn)[0]
+
+    def one_start(params, model_state, eval_data, k, h, numbers):
+        state = _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state)
+        return state, _evaluate(evaluator, state, eval_data)
+
+    def one_chunk(state, data, eval_data, k, h, numbers, evaluate, n=None):
+        del k  # the run's keys were split once, at its start: they are in the state
+        rule, delays = source.rule(h, numbers), source.delays(h, numbers)
+        delay_key, model_key = (jax.random.wrap_key_data(w) for w in (state.keys.delay, state.keys.model))
+        c = _Ctx(grad_fn, rule, delays, ex, data, state.keys.data_words, numbers["local_lr"], model_key)
         # Every update's delay key in one vectorised PRNG call per chunk (on CPU each call inside the loop is a
         # rolled loop of its own); identical to folding t in step by step.
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
         k_delays = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(delay_key, ts)
         schedule_fn = _async_schedule if ex.mode == "async" else _sync_schedule
-        schedule, delay_state, data_state = schedule_fn(c, state, ts, k_delays)
-        srv, metrics = jax.lax.scan(lambda s, x: _step(c, s, x), state.server, schedule)
+        schedule, delay_state, data_state = schedule_fn(c, state, ts, k_delays, n)
+        step = lambda s, x: _step(c, s, x)
+        if n is None:
+            srv, metrics = jax.lax.scan(step, state.server, schedule)
+            clock = schedule.time[-1]
+        else:
+            srv, metrics = _dynamic_scan(step, state.server, schedule, n)
+            clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
         if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             srv = server.pull(srv, 0)
-        state = SimState(server=srv, delay=delay_state, data=data_state, clock=schedule.time[-1])
-        return state, metrics, _evaluate(eval_fn, state)
+        state = SimState(server=srv, delay=delay_state, data=data_state, clock=clock, keys=state.keys)
+        if evaluator is None:
+            return state, metrics, {}
+        run_eval = lambda s: _evaluate(evaluator, s, eval_data)
+        shapes = jax.eval_shape(run_eval, state)
+        skip = lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return state, metrics, jax.lax.cond(evaluate, run_eval, skip, state)
 
-    return chunk
+    if batched:  # the runs axis: keys and hparams per run; data, numbers and the flags shared
+        start = jax.vmap(one_start, in_axes=(None, None, None, 0, 0, None))
+        chunk = jax.vmap(one_chunk, in_axes=(0, None, None, 0, 0, None, None))
+        tail = jax.vmap(one_chunk, in_axes=(0, None, None, 0, 0, None, None, None))
+    else:
+        start, chunk, tail = one_start, one_chunk, one_chunk
+    jitted = {
+        "start": jax.jit(_named(start, PROGRAM_NAMES[0])),
+        "chunk": jax.jit(_named(chunk, PROGRAM_NAMES[1]), donate_argnums=0),
+        "tail": jax.jit(_named(tail, PROGRAM_NAMES[2]), donate_argnums=0),
+    }
+    return _Program(jitted, evaluates=eval_fn is not None)
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """``fn`` under ``name`` (what compile logs and :mod:`jax.monitoring` events call the program)."""
+
+    def program(*args):
+        return fn(*args)
+
+    program.__name__ = program.__qualname__ = name
+    return program
+
+
+_CACHE: collections.OrderedDict[_Key, _Program] = collections.OrderedDict()
+_CACHE_SIZE = 32
+_LOCK = threading.Lock()
+_SEEN: dict[Hashable, _Key] = {}  # a key with its objects replaced by their code -> the last key built for it
+_WARNED: set[Hashable] = set()
+
+
+def clear_cache() -> None:
+    """Forgets every compiled program (the next call of each structure compiles again)."""
+    with _LOCK:
+        _CACHE.clear()
+        _SEEN.clear()
+        _WARNED.clear()
+
+
+def _code(obj: Any) -> Hashable:
+    """What an object keyed by identity does, to tell a new object of the same code from another function."""
+    if isinstance(obj, tuple):
+        return tuple(_code(x) for x in obj)
+    if isinstance(obj, exchange.Loss):
+        return ("loss", _code(obj.fn), obj.has_model_state, obj.has_aux)
+    if isinstance(obj, functools.partial):
+        return ("partial", _code(obj.func))
+    update = getattr(obj, "update", None)
+    if callable(update) and callable(getattr(obj, "init", None)):
+        return ("rule", _code(update))
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code
+    return obj if _hashable(obj) else id(type(obj))
+
+
+def _hashable(obj: Any) -> bool:
+    try:
+        hash(obj)
+    except TypeError:
+        return False
+    return True
+
+
+_WHAT = {"loss": "the loss function", "eval_fn": "eval_fn", "rule": "the rule", "delays": "the delay function"}
+
+
+def _program(key: _Key, build: Callable[[], _Program]) -> _Program:
+    """The cached program for ``key``, built (and counted against identity-keyed surprises) on a miss."""
+    with _LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    program = build()
+    with _LOCK:
+        _CACHE[key] = program
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        code = key._replace(**{f: _code(getattr(key, f)) for f in _WHAT})
+        before = _SEEN.get(code)
+        _SEEN[code] = key
+        if before is not None and before != key and code not in _WARNED:
+            _WARNED.add(code)
+            what = " and ".join(_WHAT[f] for f in _WHAT if getattr(before, f) != getattr(key, f))
+            warnings.warn(
+                f"asgd_jax compiled the simulator again because {what} is a new object with the same code as one it "
+                "compiled for before (a closure made anew on each call). Make it once, outside the loop; a rule "
+                "built by asgd_jax.rules.get or the rule functions (asgd_jax.dc_asgd, ...) needs no care: its "
+                "numbers are arguments of one program.",
+                RecompileWarning,
+                stacklevel=4,
+            )
+    return program
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Driving it: chunks, progress, evaluation, checkpoints.
+# Checking a call and finding its program.
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """A validated run's compiled pieces: the initial state, chunks of updates, the evaluation."""
-
-    spec: _Spec
-    ex: Exchange
-    init: Callable  # (keys, hparams) -> SimState
-    chunk: Callable  # length -> jitted (state, data, keys, hparams, local_lr) -> (state, metrics, evaluation)
-    evaluate: Callable  # state -> evaluation
-    evaluates: bool  # an eval_fn was given
-    data: Any  # on the device
-    local_lr: jax.Array
-
-    def config_repr(self) -> str:
-        """The run's static configuration as the checkpoint header has always written it (so earlier checkpoints
-        still resume)."""
-        ex = self.ex
-        return (
-            f"_Config(mode={ex.mode!r}, n_sync={ex.n_sync}, push={ex.push!r}, batch_size={ex.batch_size}, "
-            f"num_examples={ex.num_examples}, shard_size={ex.shard_size}, stateful={ex.stateful}, "
-            f"chunk={self.spec.chunk_length()})"
-        )
+def _check_plan(plan: Any) -> Plan:
+    if plan is None:
+        return Plan()
+    errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(...) (delays, num_updates, ...)")
+    return plan
 
 
-def _program(
-    loss: exchange.Loss, rule_fn, params, data, spec: _Spec, *, delays_fn, hparams, batched: bool, model_state, eval_fn
-) -> _Program:
-    """Validates the arguments (before anything is traced) and builds the run's programs."""
-    # The structure (slots, shards, kind) is static, so the first run's delay model describes every run.
-    first = jax.tree.map(lambda v: v[0], hparams) if batched else hparams
-    ex = _validate(spec, delays_fn(first), data, loss, params, model_state, eval_fn)
-    grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
-    model_state = {} if model_state is None else model_state
+def _check_rule(rule: Any) -> None:
+    ok = callable(getattr(rule, "init", None)) and callable(getattr(rule, "update", None))
+    hint = "build one with asgd_jax.rules.get(name, learning_rate) or a rule function such as asgd_jax.dc_asgd(0.1)"
+    errors.require(ok, "rule", rule, f"give an update rule (an optax transform): {hint}")
 
-    def init_one(key, hp):
-        return init(rule_fn(hp), params, delays=delays_fn(hp), key=key, n_sync=ex.n_sync, model_state=model_state)
 
-    @functools.cache  # one program per chunk length: the full chunks', and the last one's if it is shorter
-    def chunk(length: int):
-        fn = _make_chunk(grad_fn, rule_fn, delays_fn, ex, eval_fn, length)
-        if batched:
-            fn = jax.vmap(fn, in_axes=(0, None, 0, 0, None))
-        return jax.jit(fn, donate_argnums=0)
+def _check_key(name: str, key: Any, batched: bool) -> jax.Array:
+    if isinstance(key, jax.Array | np.ndarray) and key.dtype == np.uint32 and key.shape[-1:] == (2,):
+        key = jax.random.wrap_key_data(key)  # a legacy jax.random.PRNGKey: the same key, typed
+    good = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    shape = "a 1-D array of keys, one per run (see asgd_jax.grid)" if batched else "one key, e.g. jax.random.key(0)"
+    errors.require(good and key.ndim == (1 if batched else 0), name, key, f"give {shape}")
+    if batched:
+        errors.require(key.shape[0] >= 1, name, key, "give at least one key")
+    return key
 
-    evaluate = lambda s: _evaluate(eval_fn, s)
-    local_lr = 0.0 if spec.local_learning_rate is None else spec.local_learning_rate
-    return _Program(
-        spec=spec,
-        ex=ex,
-        init=jax.jit(jax.vmap(init_one) if batched else init_one),
-        chunk=chunk,
-        evaluate=jax.jit(jax.vmap(evaluate) if batched else evaluate),
-        evaluates=eval_fn is not None,
-        data=jax.tree.map(jnp.asarray, data),
-        local_lr=jnp.asarray(local_lr, jnp.float32),
+
+def _check_on_nonfinite(policy: Any) -> str:
+    return errors.choice("on_nonfinite", policy, NONFINITE)
+
+
+def _check_checkpoint_dir(checkpoint_dir: Any) -> str | None:
+    if checkpoint_dir is None:
+        return None
+    path = os.fspath(checkpoint_dir)
+    errors.require(
+        not os.path.exists(path) or os.path.isdir(path),
+        "checkpoint_dir",
+        path,
+        "it is a file, not a folder: give a folder (it is made if missing)",
     )
+    return path
+
+
+def _eval_data(eval_fn) -> Any:
+    return None if eval_fn is None else jax.tree.map(jnp.asarray, exchange.eval_parts(eval_fn)[1])
+
+
+def _avals(*trees: Any) -> Hashable:
+    leaves, treedef = jax.tree.flatten(trees)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+
+
+def _numbers(plan: Plan, rule_numbers: Any, delay_numbers: Any) -> dict[str, Any]:
+    local_lr = 0.0 if plan.local_lr is None else plan.local_lr
+    return {"rule": rule_numbers, "delays": delay_numbers, "local_lr": np.float32(local_lr)}
+
+
+def _prepare(
+    loss_fn, params, data, plan: Plan, model_state, has_aux: bool, eval_fn, source: _Source, runs, first_delays
+) -> tuple[_Program, Exchange]:
+    """Checks what a call's program needs (on a cache miss: tracing the loss) and returns the program."""
+    if eval_fn is not None and not callable(eval_fn):
+        raise errors.ConfigError(f"eval_fn={eval_fn!r} is invalid: give eval_fn(params, model_state) -> dict.")
+    if plan.eval_every is not None and eval_fn is None:
+        raise errors.ConfigError(
+            f"plan.eval_every={plan.eval_every} was given without eval_fn: pass eval_fn(params, model_state) -> dict "
+            "(or set chunk instead of eval_every for the chunk length alone)."
+        )
+    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
+    ex = exchange.Exchange.create(plan.replace(delays=first_delays), data, stateful=loss.has_model_state)
+    exchange.check_params(params)
+    model_state = {} if model_state is None else model_state
+    plan_key = plan.structure()._replace(delays=None)  # the delay model's structure is in the source's key
+    eval_data = None if eval_fn is None else exchange.eval_parts(eval_fn)[1]
+    avals = _avals(params, model_state, data, eval_data)
+    key = _Key(loss, eval_fn, source.rule_key, source.delays_key, plan_key, ex, avals, runs)
+
+    def build() -> _Program:
+        loss.check(params, model_state, exchange.batch_shapes(data, plan.batch_size))
+        return _make_program(key, loss, source, ex, eval_fn, plan.chunk_length)
+
+    return _program(key, build), ex
+
+
+def _recipe_source(rule: Any, delays_source: tuple[Callable, Hashable], hp_names: Sequence[str]) -> tuple:
+    """A rule's source: its recipe (numbers as arguments; hparams by name override them), else the rule itself."""
+    built = recipes.of(rule)
+    if built is None:
+        if hp_names:
+            raise errors.ConfigError(
+                f"hparams {sorted(hp_names)} cannot vary a rule composed by hand: pass rule_fn(hparams) -> rule, or a "
+                "rule built by asgd_jax.rules.get / a rule function, whose numbers hparams may name."
+            )
+        return _Source(lambda h, n: rule, rule, *delays_source), {}
+    built = built.vary(list(hp_names))
+    structure = built.structure
+    rule_fn = lambda h, n: recipes.Recipe(structure, n["rule"]).build({**n["rule"], **h})
+    return _Source(rule_fn, ("recipe", structure), *delays_source), built.numbers
+
+
+def _plan_delays(plan: Plan) -> tuple[tuple[Callable, Hashable], list[jax.Array]]:
+    structure, numbers = delays_lib.split(plan.delays)
+    return (lambda h, n: structure.build(n["delays"]), structure), numbers
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Driving a program: chunks, progress, evaluation, checkpoints.
+# --------------------------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -458,21 +731,157 @@ class _Progress:
     done: int = 0
     chunks: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     evals: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    eval_updates: list[int] = dataclasses.field(default_factory=list)
+    saved: int = 0  # the update count of the last checkpoint
 
 
-def _resume(path: str, state: SimState, header: dict[str, Any], axis: int) -> tuple[SimState, _Progress]:
-    state, arrays, saved = ckpt.load(path, state)
+class _Call(NamedTuple):
+    """One call's arguments to its program, and how to drive it."""
+
+    plan: Plan
+    params: Any
+    model_state: Any
+    data: Any
+    eval_data: Any
+    keys: jax.Array
+    hparams: dict[str, Any]
+    numbers: dict[str, Any]
+    batched: bool
+    on_nonfinite: str
+    checkpoint_dir: str | None
+    progress: bool
+    callback: Callable | None
+    description: str
+
+
+def _header(call: _Call, program: _Program) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by this call."""
+    p = call.plan
+    return {
+        "key": exchange.key_fingerprint(call.keys),
+        "num_updates": p.num_updates,
+        "plan": repr(p.structure()._replace(delays=type(p.delays).__name__)) + f" workers={p.workers}",
+        "numbers": exchange.key_fingerprint_tree((call.numbers, call.hparams)),
+    }
+
+
+def _resume(path: str, template: Any, header: dict[str, Any], axis: int) -> tuple[SimState, _Progress]:
+    state, arrays, saved = ckpt.load(path, template)
     mismatched = [k for k in header if saved.get(k) != header[k]]
     if mismatched:
         raise errors.ConfigError(
             f"Checkpoint {path} was written by a run with different {', '.join(mismatched)}: resume with the "
-            "same key and settings, or use another checkpoint_dir."
+            "same key, plan and numbers, or use another checkpoint_dir."
         )
     metrics = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
     stacked = {k[2:]: v for k, v in arrays.items() if k.startswith("e/")}
     n_evals = next(iter(stacked.values())).shape[axis] if stacked else 0
     evals = [{k: np.take(v, i, axis=axis) for k, v in stacked.items()} for i in range(n_evals)]
-    return state, _Progress(int(saved["done"]), [metrics] if metrics else [], evals)
+    done = int(saved["done"])
+    eval_updates = [int(u) for u in arrays.get("eval_updates", [])]
+    return state, _Progress(done, [metrics] if metrics else [], evals, eval_updates, done)
+
+
+def _compile_updates(program: _Program, c: _Call) -> None:
+    """Compiles the chunk (and the shorter last part's program, if the budget needs it) of a call; a failure is left
+    for the call itself to meet and report, when it runs the program."""
+    try:
+        state = jax.eval_shape(
+            program.jitted["start"], c.params, c.model_state, c.eval_data, c.keys, c.hparams, c.numbers
+        )
+        state = state[0]
+        args = (c.data, c.eval_data, c.keys, c.hparams, c.numbers, np.bool_(0))
+        if c.plan.num_updates >= c.plan.chunk_length:
+            program.compiled("chunk", state, *args)
+        if c.plan.num_updates % c.plan.chunk_length:
+            program.compiled("tail", state, *args, np.int32(0))
+    except Exception:
+        return
+
+
+def _run(program: _Program, call: _Call) -> SimulationResult:
+    plan, axis = call.plan, (1 if call.batched else 0)
+    args = (call.keys, call.hparams, call.numbers)
+    path = None if call.checkpoint_dir is None else os.path.join(call.checkpoint_dir, "simulator.npz")
+    header = _header(call, program)
+    so_far = _Progress()
+    if path is not None and os.path.exists(path):
+        template = program.compiled("start", call.params, call.model_state, call.eval_data, *args).out_info[0]
+        state, so_far = _resume(path, template, header, axis)
+    else:
+        # The update programs compile on a thread of their own while this one compiles and runs the start: on a
+        # machine with two cores the first call waits for the larger of the two compilations, not their sum.
+        threading.Thread(target=_compile_updates, args=(program, call), daemon=True).start()
+        state, first = program.call("start", call.params, call.model_state, call.eval_data, *args)
+        if program.evaluates:
+            so_far.evals, so_far.eval_updates = [jax.device_get(first)], [0]
+    bar = _bar(call.progress, plan.num_updates, so_far.done, call.description)
+    chunk, every = plan.chunk_length, plan.eval_interval()
+    warned = [False]
+    try:
+        while so_far.done < plan.num_updates:
+            length = min(chunk, plan.num_updates - so_far.done)
+            end = so_far.done + length
+            evaluate = np.bool_(program.evaluates and (end % every == 0 or end == plan.num_updates))
+            if length == chunk:
+                state, metrics, ev = program.call("chunk", state, call.data, call.eval_data, *args, evaluate)
+            else:
+                tail_args = (state, call.data, call.eval_data, *args, evaluate, np.int32(length))
+                state, metrics, ev = program.call("tail", *tail_args)
+            metrics = {k: np.take(v, np.arange(length), axis=axis) for k, v in jax.device_get(metrics).items()}
+            so_far.chunks.append(metrics)
+            if evaluate:
+                so_far.evals.append(jax.device_get(ev))
+                so_far.eval_updates.append(end)
+            so_far.done = end
+            _check_finite(metrics, end, call.on_nonfinite, warned)
+            if path is not None and (end - so_far.saved >= (plan.checkpoint_every or 1) or end == plan.num_updates):
+                _save(path, state, so_far, header, axis)
+            if bar is not None:
+                bar.update(length)
+                bar.set_postfix(_progress_note(np.take(metrics["loss"], -1, axis=axis)))
+            if call.callback is not None:
+                call.callback(so_far.done, state)
+    finally:
+        if bar is not None:
+            bar.close()
+    params, model_state = state.server.params, state.server.model_state
+    return SimulationResult(params, model_state, state, _metrics(so_far, axis), plan)
+
+
+def _save(path: str, state: SimState, so_far: _Progress, header: dict[str, Any], axis: int) -> None:
+    so_far.chunks = [_join(so_far.chunks, axis)]
+    arrays = {f"m/{k}": v for k, v in so_far.chunks[0].items()}
+    arrays.update({f"e/{k}": v for k, v in _join(so_far.evals, axis, stack=True).items()})
+    arrays["eval_updates"] = np.asarray(so_far.eval_updates, np.int64)
+    ckpt.save(path, state, arrays, {**header, "done": so_far.done})
+    so_far.saved = so_far.done
+
+
+def _bar(progress: bool, total: int, initial: int, description: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=description, unit="upd", leave=False)
+
+
+def _metrics(so_far: _Progress, axis: int) -> dict[str, np.ndarray]:
+    metrics = _join(so_far.chunks, axis)
+    if so_far.evals and so_far.evals[0]:
+        ev = _join(so_far.evals, axis, stack=True)
+        shape = next(iter(ev.values())).shape
+        metrics.update(ev)
+        metrics["eval_update"] = np.broadcast_to(np.asarray(so_far.eval_updates, np.int32), shape).copy()
+    return metrics
+
+
+def _join(parts: Sequence[Mapping[str, np.ndarray]], axis: int, stack: bool = False) -> dict[str, np.ndarray]:
+    """Joins per-chunk metrics along the update axis (``stack`` for one scalar per chunk, e.g. evaluations)."""
+    if not parts:
+        return {}
+    join = np.stack if stack else np.concatenate
+    return {k: join([np.asarray(p[k]) for p in parts], axis=axis) for k in parts[0]}
 
 
 def _progress_note(last_losses: np.ndarray) -> dict[str, str]:
@@ -504,93 +913,9 @@ def _check_finite(metrics: dict[str, np.ndarray], done: int, policy: str, warned
         warned[0] = True
 
 
-def _run(
-    program: _Program, *, keys, hparams, batched: bool, checkpoint_dir, progress, callback, description
-) -> SimulationResult:
-    spec, chunk_len, axis = program.spec, program.spec.chunk_length(), (1 if batched else 0)
-    state = program.init(keys, hparams)
-    path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), "simulator.npz")
-    header = {
-        "key": exchange.key_fingerprint(keys),
-        "num_updates": spec.num_updates,
-        "chunk": chunk_len,
-        "config": program.config_repr(),
-    }
-    so_far = _Progress()
-    if path is not None and os.path.exists(path):
-        state, so_far = _resume(path, state, header, axis)
-    if not so_far.evals and program.evaluates:
-        first = jax.device_get(program.evaluate(state))
-        so_far.evals = [first] if first else []
-    bar = _bar(progress, spec.num_updates, so_far.done, description)
-    warned = [False]
-    try:
-        while so_far.done < spec.num_updates:
-            length = min(chunk_len, spec.num_updates - so_far.done)
-            state, metrics, ev = program.chunk(length)(state, program.data, keys, hparams, program.local_lr)
-            so_far.chunks.append(jax.device_get(metrics))
-            so_far.evals += [jax.device_get(ev)] if ev else []
-            so_far.done += length
-            _check_finite(so_far.chunks[-1], so_far.done, spec.on_nonfinite, warned)
-            if path is not None:
-                so_far.chunks = [_join(so_far.chunks, axis)]
-                arrays = {f"m/{k}": v for k, v in so_far.chunks[0].items()}
-                arrays.update({f"e/{k}": v for k, v in _join(so_far.evals, axis, stack=True).items()})
-                ckpt.save(path, state, arrays, {**header, "done": so_far.done})
-            if bar is not None:
-                bar.update(length)
-                bar.set_postfix(_progress_note(np.take(so_far.chunks[-1]["loss"], -1, axis=axis)))
-            if callback is not None:
-                callback(so_far.done, state)
-    finally:
-        if bar is not None:
-            bar.close()
-    return SimulationResult(state.server.params, state.server.model_state, state, _metrics(so_far, spec, axis))
-
-
-def _bar(progress: bool, total: int, initial: int, description: str):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc=description, unit="upd", leave=False)
-
-
-def _metrics(so_far: _Progress, spec: _Spec, axis: int) -> dict[str, np.ndarray]:
-    metrics = _join(so_far.chunks, axis)
-    if so_far.evals and so_far.evals[0]:
-        ev = _join(so_far.evals, axis, stack=True)
-        updates = np.minimum(np.arange(len(so_far.evals)) * spec.chunk_length(), spec.num_updates).astype(np.int32)
-        shape = next(iter(ev.values())).shape
-        metrics.update(ev)
-        metrics["eval_update"] = np.broadcast_to(updates, shape).copy()
-    return metrics
-
-
-def _join(parts: Sequence[Mapping[str, np.ndarray]], axis: int, stack: bool = False) -> dict[str, np.ndarray]:
-    """Joins per-chunk metrics along the update axis (``stack`` for one scalar per chunk, e.g. evaluations)."""
-    if not parts:
-        return {}
-    join = np.stack if stack else np.concatenate
-    return {k: join([np.asarray(p[k]) for p in parts], axis=axis) for k in parts[0]}
-
-
-def _one_run(loss_fn, rule, params, data, spec: _Spec, delays, model_state, has_aux: bool, eval_fn) -> _Program:
-    """The program of one run (what :func:`simulate` runs and :func:`lower` shows): no hyperparameters traced."""
-    delays = delays_lib.Workers(8) if delays is None else delays
-    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
-    return _program(
-        loss,
-        lambda _: rule,
-        params,
-        data,
-        spec,
-        delays_fn=lambda _: delays,
-        hparams={},
-        batched=False,
-        model_state=model_state,
-        eval_fn=eval_fn,
-    )
+# --------------------------------------------------------------------------------------------------------------------
+# The public calls.
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def simulate(
@@ -598,19 +923,12 @@ def simulate(
     rule: optax.GradientTransformation,
     params: Any,
     data: Any,
+    plan: Plan | None = None,
     *,
-    delays: Any = None,
-    batch_size: int = 32,
-    num_updates: int = 2_000,
     key: jax.Array | None = None,
-    mode: str = "async",
-    n_sync: int = 1,
-    push: str = "gradients",
     model_state: Any = None,
-    local_learning_rate: float | None = None,
     has_aux: bool = False,
     eval_fn: Callable | None = None,
-    eval_every: int | None = None,
     on_nonfinite: str = "warn",
     checkpoint_dir: str | os.PathLike | None = None,
     progress: bool = True,
@@ -624,30 +942,24 @@ def simulate(
         metrics (``(loss, aux)``, or ``(loss, (new_model_state, aux))``). An :class:`asgd_jax.exchange.Loss` declares
         its own form (:func:`asgd_jax.classification_loss` returns one). A loss that does not return what its form
         says is reported before anything compiles.
-      rule: the server's update rule, e.g. :func:`asgd_jax.dc_asgd`.
+      rule: the server's update rule, e.g. :func:`asgd_jax.dc_asgd` (its numbers are arguments of the compiled
+        program: a rule with other numbers compiles nothing new).
       params: initial weights w_0 (every backup starts here).
-      data: pytree of arrays with a leading example axis, e.g. ``{"x": x, "y": y}``; it is put on the device whole.
-      delays: a delay model from :mod:`asgd_jax.delays` (default ``Workers(8)``).
-      batch_size: minibatch size of every worker.
-      num_updates: server updates (applied pushes) to run; a learning-rate schedule counts these.
+      data: pytree of arrays with a leading example axis, e.g. ``{"x": x, "y": y}``; it is put on the device (pass
+        device arrays to skip the copy on every call).
+      plan: the run's :class:`asgd_jax.Plan` (delay model, exchange pattern, budget, cadence); default ``Plan()``:
+        ``Workers(8)``, 2,000 updates, batch 32.
       key: the run's key (default ``jax.random.key(0)``); the same key gives identical bits.
-      mode: ``"async"`` (ASGD; default) or ``"sync"`` (SSGD: each update averages the M workers' payloads, computed
-        at the same weights; needs ``Workers``).
-      n_sync: minibatches each worker computes between exchanges (GPU A-SGD).
-      push: with ``n_sync > 1``: ``"gradients"`` (local SGD steps, push the summed gradients), ``"delta"`` (local
-        steps, push ``w_pulled - w_local``, which the rule treats like a gradient: use a server learning rate of 1 to
-        add the delta) or ``"accumulate"`` (sum the gradients at the pulled weights, no local steps).
       model_state: initial non-trained model collections (BatchNorm); declares the stateful ``loss_fn`` form. Workers
         compute with the state they pulled and push their updated state; the server keeps the latest.
-      local_learning_rate: step size of the local steps (needed when ``n_sync > 1`` and ``push != "accumulate"``).
       has_aux: the loss returns auxiliary training metrics (see ``loss_fn``).
       eval_fn: ``eval_fn(params, model_state) -> dict`` of scalars, run on the server's weights at the start and every
-        ``eval_every`` updates.
-      eval_every: evaluation (and checkpoint / progress) interval; by default the run is cut into about 20 chunks.
+        ``plan.eval_interval()`` updates (``plan.eval_every``, or about twenty times a run).
       on_nonfinite: when the training loss turns NaN or Inf: ``"warn"`` (once; default), ``"stop"`` (raise
         ``FloatingPointError`` after that chunk) or ``"ignore"``.
-      checkpoint_dir: if given, the state is written there atomically after every chunk, and a run started with the
-        same arguments resumes from it (bit-identical to an uninterrupted run).
+      checkpoint_dir: if given, the state is written there atomically at chunk ends (every ``plan.checkpoint_every``
+        updates, default every chunk), and a run started with the same arguments resumes from it (bit-identical to an
+        uninterrupted run).
       progress: show a progress bar.
       callback: ``callback(updates_done, state)`` called after every chunk (e.g. to log or stop early by raising).
 
@@ -659,26 +971,36 @@ def simulate(
       >>> x = jax.random.normal(jax.random.key(1), (256, 3))
       >>> data = {"x": x, "y": x @ jnp.array([1.0, -2.0, 0.5])}
       >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
-      >>> result = asgd_jax.simulate(loss, asgd_jax.dc_asgd(0.1, lam=0.5), jnp.zeros(3), data,
-      ...                            delays=asgd_jax.delays.Workers(4), num_updates=200, progress=False)
+      >>> plan = asgd_jax.Plan(asgd_jax.delays.Workers(4), num_updates=200)
+      >>> result = asgd_jax.simulate(loss, asgd_jax.dc_asgd(0.1, lam=0.5), jnp.zeros(3), data, plan, progress=False)
       >>> result.params.round(2)
       Array([ 1. , -2. ,  0.5], dtype=float32)
       >>> int(result.metrics["staleness"].max()) > 0
       True
     """
-    key = jax.random.key(0) if key is None else key
-    spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, eval_every, on_nonfinite)
-    program = _one_run(loss_fn, rule, params, data, spec, delays, model_state, has_aux, eval_fn)
-    return _run(
-        program,
+    plan = _check_plan(plan)
+    key = _check_key("key", jax.random.key(0) if key is None else key, batched=False)
+    _check_rule(rule)
+    delays_source, delay_numbers = _plan_delays(plan)
+    source, rule_numbers = _recipe_source(rule, delays_source, ())
+    program, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, eval_fn, source, None, plan.delays)
+    call = _Call(
+        plan=plan,
+        params=params,
+        model_state={} if model_state is None else model_state,
+        data=jax.tree.map(jnp.asarray, data),
+        eval_data=_eval_data(eval_fn),
         keys=key,
         hparams={},
+        numbers=_numbers(plan, rule_numbers, delay_numbers),
         batched=False,
-        checkpoint_dir=checkpoint_dir,
-        progress=progress,
+        on_nonfinite=_check_on_nonfinite(on_nonfinite),
+        checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
+        progress=bool(progress),
         callback=callback,
         description="simulate",
     )
+    return _run(program, call)
 
 
 def lower(
@@ -686,61 +1008,51 @@ def lower(
     rule: optax.GradientTransformation,
     params: Any,
     data: Any,
+    plan: Plan | None = None,
     *,
-    delays: Any = None,
-    batch_size: int = 32,
-    num_updates: int = 2_000,
     key: jax.Array | None = None,
-    mode: str = "async",
-    n_sync: int = 1,
-    push: str = "gradients",
     model_state: Any = None,
-    local_learning_rate: float | None = None,
     has_aux: bool = False,
-    length: int | None = None,
 ) -> jax.stages.Lowered:
-    """The program :func:`simulate` compiles for a chunk of ``length`` updates, lowered, for inspection.
+    """The program :func:`simulate` compiles for a chunk of ``plan.chunk_length`` updates, lowered, for inspection.
 
-    Takes :func:`simulate`'s arguments; ``length`` defaults to the chunk ``simulate`` would use. The program is
-    ``(state, data, key, hparams, local_lr) -> (state, metrics, evaluation)`` with the state donated; ``.compile()``
-    gives its optimised HLO (``.as_text()``), cost and memory analyses, so one can check what an update costs (see
-    ARCHITECTURE.md, "What a step costs").
+    The program is ``(state, data, key, hparams, numbers, evaluate) -> (state, metrics, evaluation)`` with the state
+    donated; ``.compile()`` gives its optimised HLO (``.as_text()``), cost and memory analyses, so one can check what an
+    update costs (see ARCHITECTURE.md, "What a step costs").
 
     Example:
       >>> import jax, jax.numpy as jnp, asgd_jax
       >>> data = {"x": jnp.ones((256, 3)), "y": jnp.ones(256)}
       >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
-      >>> lowered = asgd_jax.simulator.lower(loss, asgd_jax.asgd(0.1), jnp.zeros(3), data, length=5)
+      >>> lowered = asgd_jax.simulator.lower(loss, asgd_jax.asgd(0.1), jnp.zeros(3), data, asgd_jax.Plan(chunk=5))
       >>> lowered.args_info[0][0].server.backup_params.shape  # Workers(8): one backup per worker
       (8, 3)
     """
-    key = jax.random.key(0) if key is None else key
-    length = None if length is None else errors.positive_int("length", length)
-    spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, chunk=length)
-    program = _one_run(loss_fn, rule, params, data, spec, delays, model_state, has_aux, None)
-    state = jax.eval_shape(program.init, key, {})
-    return program.chunk(spec.chunk_length()).lower(state, program.data, key, {}, program.local_lr)
+    plan = _check_plan(plan)
+    key = _check_key("key", jax.random.key(0) if key is None else key, batched=False)
+    _check_rule(rule)
+    delays_source, delay_numbers = _plan_delays(plan)
+    source, rule_numbers = _recipe_source(rule, delays_source, ())
+    program, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, None, source, None, plan.delays)
+    model_state = {} if model_state is None else model_state
+    numbers = _numbers(plan, rule_numbers, delay_numbers)
+    state = jax.eval_shape(program.jitted["start"], params, model_state, None, key, {}, numbers)[0]
+    return program.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), None, key, {}, numbers, np.bool_(0))
 
 
 def sweep(
     loss_fn: Callable,
-    rule_fn: Callable[[Mapping[str, jax.Array]], optax.GradientTransformation],
+    rule: Callable[[Mapping[str, jax.Array]], optax.GradientTransformation] | optax.GradientTransformation,
     params: Any,
     data: Any,
+    plan: Plan | None = None,
     *,
     keys: jax.Array,
     hparams: Mapping[str, Any] | None = None,
-    delays: Any = None,
-    batch_size: int = 32,
-    num_updates: int = 2_000,
-    mode: str = "async",
-    n_sync: int = 1,
-    push: str = "gradients",
+    delays_fn: Callable[[Mapping[str, jax.Array]], Any] | None = None,
     model_state: Any = None,
-    local_learning_rate: float | None = None,
     has_aux: bool = False,
     eval_fn: Callable | None = None,
-    eval_every: int | None = None,
     on_nonfinite: str = "warn",
     checkpoint_dir: str | os.PathLike | None = None,
     progress: bool = True,
@@ -749,23 +1061,23 @@ def sweep(
 ) -> SimulationResult:
     """Runs R simulations as one compiled program, vmapped over keys and hyperparameters.
 
-    Everything that shapes the program (workers, batch size, n_sync, mode) is shared; what varies per run is the key
-    and the numeric hyperparameters, from which ``rule_fn`` builds each run's rule and, if ``delays`` is a function,
-    each run's delay model (traced, so no Python branching on them). Run r equals
-    ``simulate(..., rule=rule_fn(hparams[r]), key=keys[r])`` to float tolerance. :func:`grid` builds ``keys`` and
-    ``hparams`` for a Cartesian product.
+    Everything that shapes the program (the plan) is shared; what varies per run is the key and the numeric
+    hyperparameters. ``rule`` is either a rule whose numbers ``hparams`` override by name (``{"learning_rate": ...,
+    "lam": ...}`` for :func:`asgd_jax.dc_asgd`), or ``rule(hparams) -> rule`` building each run's rule from its numbers
+    (traced, so no Python branching on them); ``delays_fn(hparams) -> delay model`` likewise varies the delay model's
+    numbers per run (its structure must be ``plan.delays``'). :func:`grid` builds ``keys`` and ``hparams`` for a
+    Cartesian product. Run r equals ``simulate(...)`` with its rule and key to float rounding (see the module's notes
+    on bits), and does not depend on the other runs of the sweep.
 
     Args:
-      loss_fn: as in :func:`simulate`.
-      rule_fn: ``rule_fn(hparams) -> rule`` for one run's hyperparameters (a dict of scalars).
-      params: initial weights, shared by all runs.
-      data: as in :func:`simulate`, shared.
+      loss_fn, params, data, plan, model_state, has_aux, eval_fn, on_nonfinite, checkpoint_dir, progress, callback:
+        as in :func:`simulate`, shared by every run.
+      rule: a rule (its numbers overridden by ``hparams`` of the same names), or ``rule(hparams) -> rule``.
       keys: ``[R]`` keys, one per run.
       hparams: dict of ``[R]`` arrays (default: none).
-      delays: a delay model shared by all runs, or ``delays(hparams) -> model`` to vary its numeric parameters per run
-        (e.g. ``lambda h: Workers(8, straggler_prob=h["p"])``); its structure (worker count, kind) must not vary.
+      delays_fn: ``delays_fn(hparams) -> model``: each run's delay model (e.g. ``lambda h: Workers(8,
+        straggler_prob=h["p"])``).
       description: the progress bar's label (default ``"sweep xR"``).
-      **rest: as in :func:`simulate`.
 
     Returns:
       A :class:`SimulationResult` whose arrays have a leading run axis ``R``.
@@ -776,46 +1088,137 @@ def sweep(
       >>> data = {"x": x, "y": x @ jnp.array([1.0, -2.0, 0.5])}
       >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
       >>> keys, hp = asgd_jax.grid(seeds=[0, 1], lam=[0.0, 0.5])
-      >>> result = asgd_jax.sweep(loss, lambda h: asgd_jax.dc_asgd(0.1, h["lam"]), jnp.zeros(3), data,
-      ...                         keys=keys, hparams=hp, num_updates=100, progress=False)
+      >>> result = asgd_jax.sweep(loss, asgd_jax.dc_asgd(0.1), jnp.zeros(3), data, asgd_jax.Plan(num_updates=100),
+      ...                         keys=keys, hparams=hp, progress=False)
       >>> result.params.shape, result.metrics["loss"].shape
       ((4, 3), (4, 100))
     """
-    delays = delays_lib.Workers(8) if delays is None else delays
-    delays_fn = delays if callable(delays) and not hasattr(delays, "num_slots") else (lambda _: delays)
-    hparams = {} if hparams is None else {k: jnp.asarray(v) for k, v in hparams.items()}
-    num_runs = int(np.shape(keys)[0]) if np.ndim(keys) else 0
-    if num_runs < 1:
-        raise errors.ConfigError("keys must be a 1-D array of keys, one per run (see asgd_jax.grid).")
-    for name, value in hparams.items():
-        if np.shape(value)[:1] != (num_runs,):
-            raise errors.ConfigError(
-                f"hparams[{name!r}] has shape {np.shape(value)}: give one value per run, a leading axis of {num_runs}."
-            )
-    spec = _Spec(batch_size, num_updates, mode, n_sync, push, local_learning_rate, eval_every, on_nonfinite)
-    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
-    program = _program(
-        loss,
-        rule_fn,
+    return prepare_sweep(
+        loss_fn,
+        rule,
         params,
         data,
-        spec,
-        delays_fn=delays_fn,
-        hparams=hparams,
-        batched=True,
-        model_state=model_state,
-        eval_fn=eval_fn,
-    )
-    return _run(
-        program,
+        plan,
         keys=keys,
         hparams=hparams,
-        batched=True,
+        delays_fn=delays_fn,
+        model_state=model_state,
+        has_aux=has_aux,
+        eval_fn=eval_fn,
+        on_nonfinite=on_nonfinite,
         checkpoint_dir=checkpoint_dir,
         progress=progress,
         callback=callback,
+        description=description,
+    ).run()
+
+
+class Prepared(NamedTuple):
+    """A call checked and bound to its programs, not run yet (what :func:`prepare_sweep` returns).
+
+    :meth:`compile` compiles its programs (or loads them from the persistent cache), and may run on another thread
+    while an earlier call computes: a study compiles its next arm while the current one runs. :meth:`run` runs it
+    (compiling what is not compiled yet, or waiting for a compilation in progress).
+    """
+
+    program: _Program
+    call: _Call
+
+    def compile(self) -> None:
+        """Compiles the programs this call will run: its start, its chunk, and the program of its last, shorter part
+        when the budget is not a whole number of chunks."""
+        c = self.call
+        self.program.compiled("start", c.params, c.model_state, c.eval_data, c.keys, c.hparams, c.numbers)
+        _compile_updates(self.program, c)
+
+    def run(self) -> SimulationResult:
+        """Runs the call: :func:`sweep`'s result."""
+        return _run(self.program, self.call)
+
+
+def prepare_sweep(
+    loss_fn: Callable,
+    rule: Callable[[Mapping[str, jax.Array]], optax.GradientTransformation] | optax.GradientTransformation,
+    params: Any,
+    data: Any,
+    plan: Plan | None = None,
+    *,
+    keys: jax.Array,
+    hparams: Mapping[str, Any] | None = None,
+    delays_fn: Callable[[Mapping[str, jax.Array]], Any] | None = None,
+    model_state: Any = None,
+    has_aux: bool = False,
+    eval_fn: Callable | None = None,
+    on_nonfinite: str = "warn",
+    checkpoint_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    callback: Callable[[int, SimState], None] | None = None,
+    description: str | None = None,
+) -> Prepared:
+    """:func:`sweep`'s arguments checked (everything a user can get wrong, before anything compiles) and bound to the
+    sweep's programs, without running it: ``prepare_sweep(...).run()`` is ``sweep(...)``; ``.compile()`` compiles
+    ahead, e.g. on a background thread while another sweep runs.
+    """
+    plan = _check_plan(plan)
+    keys = _check_key("keys", keys, batched=True)
+    num_runs = int(keys.shape[0])
+    hparams = _check_hparams(hparams, num_runs)
+    first = {k: np.asarray(v)[0] for k, v in hparams.items()}  # on the host: no device work to check a rule
+    if delays_fn is None:
+        delays_source, delay_numbers = _plan_delays(plan)
+        first_delays = plan.delays
+    else:
+        errors.require(callable(delays_fn), "delays_fn", delays_fn, "give delays_fn(hparams) -> a delay model")
+        first_delays = delays_fn(first)
+        same = type(first_delays) is type(plan.delays) and first_delays.num_slots == plan.delays.num_slots
+        errors.require(same, "delays_fn", first_delays, f"return a model of plan.delays' structure ({plan.delays!r})")
+        delays_source, delay_numbers = (lambda h, n: delays_fn(h), ("fn", delays_fn)), []
+    if callable(rule) and not callable(getattr(rule, "update", None)):
+        source = _Source(lambda h, n: rule(h), ("fn", rule), *delays_source)
+        rule_numbers = {}
+        _check_rule(rule(first))
+    else:
+        _check_rule(rule)
+        source, rule_numbers = _recipe_source(rule, delays_source, list(hparams))
+    program, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, eval_fn, source, num_runs, first_delays)
+    call = _Call(
+        plan=plan,
+        params=params,
+        model_state={} if model_state is None else model_state,
+        data=jax.tree.map(jnp.asarray, data),
+        eval_data=_eval_data(eval_fn),
+        keys=keys,
+        hparams=hparams,
+        numbers=_numbers(plan, rule_numbers, delay_numbers),
+        batched=True,
+        on_nonfinite=_check_on_nonfinite(on_nonfinite),
+        checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
+        progress=bool(progress),
+        callback=callback,
         description=description or f"sweep x{num_runs}",
     )
+    return Prepared(program, call)
+
+
+def _check_hparams(hparams: Any, num_runs: int) -> dict[str, jax.Array]:
+    if hparams is None:
+        return {}
+    errors.require(isinstance(hparams, Mapping), "hparams", hparams, "give a dict of [R] arrays (see asgd_jax.grid)")
+    out = {}
+    for name, value in hparams.items():
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError):
+            array = np.asarray(None)
+        ok = array.shape[:1] == (num_runs,) and np.issubdtype(array.dtype, np.number)
+        errors.require(
+            ok and bool(np.all(np.isfinite(array))),
+            f"hparams[{name!r}]",
+            value,
+            f"give one finite number per run: an array with a leading axis of {num_runs}",
+        )
+        out[name] = value if isinstance(value, jax.Array) else array  # host arrays stay on the host until a call
+    return out
 
 
 def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -829,10 +1232,19 @@ def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array,
       >>> keys.shape, hp["lam"].tolist()
       ((6,), [0.5, 1.0, 2.0, 0.5, 1.0, 2.0])
     """
-    if not seeds:
-        raise errors.ConfigError("seeds is empty: give at least one seed.")
+    seeds = list(seeds) if isinstance(seeds, Sequence | np.ndarray) and not isinstance(seeds, str) else None
+    errors.require(bool(seeds), "seeds", seeds, "give a non-empty list of seeds")
+    for seed in seeds:
+        errors.require(
+            errors.is_int(seed) and 0 <= seed < 2**32, "seeds", seeds, "use ints in [0, 2**32) (a key's seed)"
+        )
     names = list(values)
-    rows = list(itertools.product(list(seeds), *(list(values[n]) for n in names)))
+    for name in names:
+        vals = values[name]
+        ok = isinstance(vals, Sequence | np.ndarray) and not isinstance(vals, str) and len(vals) > 0
+        ok = ok and all(isinstance(v, int | float | np.number) and np.isfinite(v) for v in vals)
+        errors.require(ok, name, vals, "give a non-empty list of finite numbers")
+    rows = list(itertools.product(seeds, *(list(values[n]) for n in names)))
     keys = jax.vmap(jax.random.key)(jnp.asarray([r[0] for r in rows], jnp.uint32))
     hparams = {n: jnp.asarray([r[i + 1] for r in rows], jnp.float32) for i, n in enumerate(names)}
     return keys, hparams

@@ -1,30 +1,35 @@
 """Reproduction studies: each a small declarative config, one runner, one report.
 
 A :class:`Study` says what it reproduces and lists :class:`Arm` s; an arm is one compiled program (one
-:func:`asgd_jax.sweep`): a delay model and exchange pattern shared by its :class:`Variant` s x seeds. Every run gets the
-same budget of effective epochs, the same learning-rate schedule and the same initial weights (or the same warm-started
-ones). :func:`run` writes ``results.json``, ``results.csv``, ``table.md`` and PNG plots into a folder;
-:func:`report` turns folders of results into one Markdown report.
+:func:`asgd_jax.sweep`): a :class:`asgd_jax.Plan` (delay model and exchange pattern) shared by its :class:`Variant` s x
+seeds. Every run gets the same budget of effective epochs, the same learning-rate schedule and the same initial weights
+(or the same warm-started ones). :func:`run` writes ``results.json``, ``results.csv``, ``table.md`` and PNG plots into a
+folder; :func:`report` turns folders of results into one Markdown report.
 
-The studies themselves live in ``experiments/<name>.py`` (``STUDY = Study(...)``); :func:`load` finds them by name.
+The studies themselves are modules of :mod:`asgd_jax.experiments` (``STUDY = Study(...)``), installed with the
+package; :func:`load` finds them by name, or loads a study file of your own by its path.
 
 Example:
+  >>> import asgd_jax
   >>> from asgd_jax import studies
   >>> v = studies.Variant("DC-ASGD-a", lam=2.0, adaptive=True)
-  >>> arm = studies.Arm({"M": 8}, workers=8, variants=(v,))
-  >>> arm.delays().num, arm.label(v)
+  >>> arm = studies.Arm({"M": 8}, asgd_jax.Plan(8), variants=(v,))
+  >>> arm.plan.workers, arm.label(v)
   (8, 'DC-ASGD-a')
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import dataclasses
+import importlib
 import importlib.util
 import json
 import math
 import os
 import pathlib
+import pkgutil
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,12 +38,13 @@ import jax
 import numpy as np
 import optax
 
+from asgd_jax import cache, errors, rules, schedules
 from asgd_jax import data as data_lib
 from asgd_jax import delays as delays_lib
-from asgd_jax import errors, rules
 from asgd_jax import metrics as metrics_lib
 from asgd_jax import models as models_lib
-from asgd_jax.simulator import grid, simulate, sweep
+from asgd_jax.plan import Plan
+from asgd_jax.simulator import Prepared, grid, prepare_sweep, simulate
 
 __all__ = [
     "ALGORITHMS",
@@ -115,17 +121,13 @@ class Arm:
 
     Attributes:
       coords: coordinates of every run in the arm (``{"M": 8}``, ``{"clients": 4, "n_sync": 10, "start": "warm"}``).
-      workers: M (``Workers``), or ``tau`` for a fixed delay.
-      tau: use ``FixedDelay(tau)`` instead of workers.
+      plan: the arm's :class:`asgd_jax.Plan`: its delay model (``Settings.cluster(M)`` for the study's compute times,
+        or ``FixedDelay(tau)``) and exchange pattern (``mode``, ``n_sync``, ``push``, ``local_lr``); the runner sets
+        its batch, budget and evaluation cadence from the study's settings.
       variants: the rules: any mix of registered rules runs as one program (:func:`asgd_jax.rules.one_of` picks each
         run's), and ``"dc_asgd"`` variants (SGD, ASGD, DC-ASGD-c and -a) differ only in traced numbers.
-      mode: ``"async"`` or ``"sync"`` (SSGD).
-      n_sync, push: the exchange pattern (GPU A-SGD).
-      local_lr: local step size for ``n_sync > 1`` (default: the study's learning rate).
       server_lr: the server's learning rate (default: the study's schedule; 1.0 with ``push="delta"`` adds the delta).
       warm: start from the study's warm-started weights.
-      worker_kwargs: more ``Workers`` arguments (``speeds``, ``straggler_prob``, ``comm_time``, ``compute_time``
-        to override the study's, ...).
       series: how the runs are named in plots (default: the variant's label).
       rule_options: static arguments of the rule (``buffer_size`` of Delayed Nesterov, DANA's ``lam``, ...).
       for_every: the arm's runs stand in every cell of these coordinates, run once (a reference such as sequential
@@ -133,21 +135,16 @@ class Arm:
     """
 
     coords: Mapping[str, Any]
-    workers: int = 1
-    tau: int | None = None
+    plan: Plan = dataclasses.field(default_factory=lambda: Plan(1))
     variants: tuple[Variant, ...] = (Variant("SGD"),)
-    mode: str = "async"
-    n_sync: int = 1
-    push: str = "gradients"
-    local_lr: float | None = None
     server_lr: float | None = None
     warm: bool = False
-    worker_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     series: str | None = None
     rule_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     for_every: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        errors.require(isinstance(self.plan, Plan), "plan", self.plan, "give an asgd_jax.Plan(delays, ...)")
         errors.require(bool(self.variants), "variants", self.variants, "give at least one Variant")
         known = {k for v in self.variants for k in (*rules.defaults(v.rule), *rules.required(v.rule))}
         unknown = sorted(set(self.rule_options) - known)
@@ -156,22 +153,18 @@ class Arm:
         for v in self.variants:
             errors.require(list(v.hp) == hp, "hp", dict(v.hp), f"every variant of an arm names the same ones: {hp}")
 
-    def delays(self, compute_time: str = "exponential"):
-        if self.tau is not None:
-            return delays_lib.FixedDelay(self.tau)
-        return delays_lib.Workers(self.workers, **{"compute_time": compute_time, **self.worker_kwargs})
-
     def label(self, variant: Variant) -> str:
         return variant.label if self.series is None else self.series.format(label=variant.label, **self.coords)
 
     @property
     def description(self) -> str:
         """The progress bar's label: which arm is running (where, how, which rules)."""
-        where = f"tau={self.tau}" if self.tau is not None else f"M={self.workers}"
+        p = self.plan
+        where = f"tau={p.delays.tau}" if isinstance(p.delays, delays_lib.FixedDelay) else f"M={p.workers}"
         what = ", ".join(dict.fromkeys(self.label(v) for v in self.variants))  # each label once, in order
-        extra = "" if self.n_sync == 1 else f" n_sync={self.n_sync}"
+        extra = "" if p.n_sync == 1 else f" n_sync={p.n_sync}"
         extra += "".join(f", {c}" for c in self.coords.values() if isinstance(c, str) and c != "—")  # the cluster
-        return f"{where} {self.mode}{extra}{' warm' if self.warm else ''}: {what}"[:72]
+        return f"{where} {p.mode}{extra}{' warm' if self.warm else ''}: {what}"[:72]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +237,10 @@ class Settings:
         # lam_c, lam_a, mean_square_decay and momentum are checked by the rule itself.
         rules.get("dc_asgd_c", 0.1, lam=self.lam_c, momentum=self.momentum)
         rules.get("dc_asgd_a", 0.1, lam=self.lam_a, mean_square_decay=self.mean_square_decay)
+
+    def cluster(self, workers: int, **kwargs: Any) -> delays_lib.Workers:
+        """``Workers(workers, **kwargs)`` with the study's compute times (``kwargs`` may override them)."""
+        return delays_lib.Workers(workers, **{"compute_time": self.compute_time, **kwargs})
 
 
 #: The DC-ASGD paper's CIFAR-10 setup (Zheng et al. 2017): ResNet-20, no augmentation, 160 effective epochs,
@@ -322,37 +319,44 @@ class Study:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _experiments_dir() -> pathlib.Path:
-    env = os.environ.get("ASGD_JAX_EXPERIMENTS")
-    if env:
-        return pathlib.Path(env)
-    for base in (pathlib.Path.cwd(), pathlib.Path(__file__).resolve().parents[1]):
-        if (base / "experiments").is_dir():
-            return base / "experiments"
-    return pathlib.Path.cwd() / "experiments"
+CATALOG = "asgd_jax.experiments"
+"""The package of the studies that ship with asgd_jax (``asgd_jax/experiments/<name>.py``)."""
 
 
 def available() -> list[str]:
-    """Names of the studies in ``experiments/`` (files that define ``STUDY``)."""
-    folder = _experiments_dir()
-    return sorted(p.stem for p in folder.glob("*.py") if "STUDY = " in p.read_text())
+    """Names of the studies that ship with the package (modules of :mod:`asgd_jax.experiments` that define
+    ``STUDY``)."""
+    package = importlib.import_module(CATALOG)
+    names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
+    return sorted(
+        n for n in names if isinstance(getattr(importlib.import_module(f"{CATALOG}.{n}"), "STUDY", None), Study)
+    )
 
 
-def load(name_or_path: str) -> Study:
-    """The ``STUDY`` of ``experiments/<name>.py`` (or of a given ``.py`` file)."""
-    path = pathlib.Path(name_or_path)
-    if path.suffix != ".py":
-        path = _experiments_dir() / f"{name_or_path}.py"
-    if not path.exists():
-        raise errors.ConfigError(
-            f"study {name_or_path!r} not found in {path.parent}: choose from {', '.join(available())}."
+def load(name_or_path: str | os.PathLike) -> Study:
+    """The ``STUDY`` of a shipped study by name (:func:`available`), or of a study file of your own by its path."""
+    text = os.fspath(name_or_path)
+    if text.endswith(".py") or os.sep in text:
+        path = pathlib.Path(text)
+        errors.require(
+            path.is_file(), "study", text, "no such study file: give a path to a .py file that defines STUDY"
         )
-    spec = importlib.util.spec_from_file_location(f"asgd_jax_study_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+        spec = importlib.util.spec_from_file_location(f"asgd_jax_study_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        where = str(path)
+    else:
+        errors.require(
+            text.isidentifier() and text in available(),
+            "study",
+            text,
+            f"choose from {', '.join(available())} or give a path to a study .py file",
+        )
+        module = importlib.import_module(f"{CATALOG}.{text}")
+        where = module.__name__
     study = getattr(module, "STUDY", None)
     if not isinstance(study, Study):
-        raise errors.ConfigError(f"{path} defines no STUDY = asgd_jax.studies.Study(...).")
+        raise errors.ConfigError(f"{where} defines no STUDY = asgd_jax.studies.Study(...).")
     return study
 
 
@@ -372,49 +376,78 @@ def schedule(s: Settings, num_updates: int, learning_rate: float | jax.Array | N
     """
     lr = s.learning_rate if learning_rate is None else learning_rate  # may be traced: a sweep tunes it
     if s.schedule == "constant":
-        return optax.constant_schedule(lr)
+        return schedules.constant(lr)
     # DC-ASGD divides by 10 at epochs 80 and 120 of 160: at 50% and 75% of the updates.
-    boundaries = {int(0.5 * num_updates): 0.1, int(0.75 * num_updates): 0.1}
-    return optax.piecewise_constant_schedule(lr, boundaries)
+    return schedules.piecewise(lr, _boundaries(num_updates), 0.1)
+
+
+def _boundaries(num_updates: int) -> tuple[int, ...]:
+    return tuple(sorted({int(0.5 * num_updates), int(0.75 * num_updates)}))
 
 
 def _arm_rules(variants: tuple[Variant, ...]) -> list[str]:
     return list(dict.fromkeys(v.rule for v in variants))
 
 
-def _rule_fn(variants: tuple[Variant, ...], arm: Arm, s: Settings, num_updates: int, num_workers: int):
-    """``hparams -> rule`` for an arm: the learning rate, the variants' numbers and (for a mix) which rule are traced,
-    one program for all."""
+@dataclasses.dataclass(frozen=True)
+class _ArmRule:
+    """``hparams -> rule`` for an arm: the learning rate (when the arm tunes it), the variants' numbers and (for a mix)
+    which rule are traced. A value (hashable): arms that build their rules alike share one compiled program."""
 
-    def build(rule: str, h, lr):
+    names: tuple[str, ...]
+    learning_rate: float
+    schedule: str
+    boundaries: tuple[int, ...]
+    server_lr: float | None
+    momentum: float | None
+    mean_square_decay: float
+    num_workers: int
+    rule_options: tuple[tuple[str, Any], ...]
+
+    def build(self, rule: str, h: Mapping[str, jax.Array], lr: Any):
         takes = {*rules.defaults(rule), *rules.required(rule)}
         kwargs: dict[str, Any] = {}
-        if s.momentum is not None and "momentum" in takes:  # else the rule's own default (DANA's 0.9)
-            kwargs["momentum"] = s.momentum
+        if self.momentum is not None and "momentum" in takes:  # else the rule's own default (DANA's 0.9)
+            kwargs["momentum"] = self.momentum
         if "num_workers" in rules.required(rule):
-            kwargs["num_workers"] = num_workers
+            kwargs["num_workers"] = self.num_workers
         if rule == "dc_asgd":
-            kwargs.update(mean_square_decay=s.mean_square_decay, lam=h["lam"], adaptive=h["adaptive"] > 0.5)
-        kwargs.update({k: v for k, v in arm.rule_options.items() if k in takes})
+            kwargs.update(mean_square_decay=self.mean_square_decay, lam=h["lam"], adaptive=h["adaptive"] > 0.5)
+        kwargs.update({k: v for k, v in self.rule_options if k in takes})
         kwargs.update({k: v for k, v in h.items() if k in takes and k not in ("lam", "adaptive")})
         return rules.get(rule, lr, **kwargs)
 
-    names = _arm_rules(variants)
+    def __call__(self, h: Mapping[str, jax.Array]):
+        if self.server_lr is not None:
+            lr = self.server_lr
+        else:
+            # The learning rate is traced only when the arm tunes it: a Python float keeps the schedule's constants
+            # folded, as they always were.
+            base = h.get("lr", self.learning_rate)
+            step = self.schedule == "step"
+            lr = schedules.piecewise(base, self.boundaries, 0.1) if step else schedules.constant(base)
+        if len(self.names) == 1:
+            return self.build(self.names[0], h, lr)
+        return rules.one_of(h["rule"].astype("int32"), [self.build(name, h, lr) for name in self.names])
 
-    def rule_fn(h):
-        lr = arm.server_lr if arm.server_lr is not None else schedule(s, num_updates, learning_rate=h.get("lr"))
-        if len(names) == 1:
-            return build(names[0], h, lr)
-        return rules.one_of(h["rule"].astype("int32"), [build(name, h, lr) for name in names])
 
-    return rule_fn
+def _rule_fn(variants: tuple[Variant, ...], arm: Arm, s: Settings, num_updates: int) -> _ArmRule:
+    return _ArmRule(
+        names=tuple(_arm_rules(variants)),
+        learning_rate=s.learning_rate,
+        schedule=s.schedule,
+        boundaries=_boundaries(num_updates),
+        server_lr=arm.server_lr,
+        momentum=s.momentum,
+        mean_square_decay=s.mean_square_decay,
+        num_workers=arm.plan.workers,
+        rule_options=tuple(sorted(arm.rule_options.items())),
+    )
 
 
 def _hparams(variants: tuple[Variant, ...], s: Settings, index: np.ndarray) -> dict[str, np.ndarray]:
     """Each run's traced numbers (its variant's, by ``index``): the learning rate, lambda, the adaptive flag, hp."""
     keys = list(variants[0].hp)  # every variant names the same ones (Arm checks)
-    # The learning rate is traced only when the arm tunes it: a Python float keeps the schedule's constants folded,
-    # as they always were (the same bits as before the rule registry).
     tuned = {"lr": [v.lr or s.learning_rate for v in variants]} if any(v.lr for v in variants) else {}
     names = _arm_rules(variants)
     table = {
@@ -476,9 +509,7 @@ def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
             rules.get("sgd", s.learning_rate),
             params0,
             ds.train,
-            delays=delays_lib.Workers(1),
-            batch_size=s.batch_size,
-            num_updates=updates,
+            Plan(1, batch_size=s.batch_size, num_updates=updates),
             model_state=model_state0,
             key=jax.random.key(10_000 + s.init_seed),
             progress=progress,
@@ -488,43 +519,55 @@ def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
     return _Setup(ds, loss_fn, eval_fn, (params0, model_state0), warm)
 
 
-def _run_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> tuple[list[dict], dict[str, dict]]:
-    """One arm (one compiled sweep over its variants x seeds): its runs and mean curves."""
+@dataclasses.dataclass(frozen=True)
+class _ArmRun:
+    """One arm bound to its compiled sweep (checked, not run yet) and what its results are read with."""
+
+    arm: Arm
+    plan: Plan
+    index: np.ndarray  # each run's variant
+    sweep: Prepared
+
+
+def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRun:
+    """One arm's sweep over its variants x seeds, checked and bound to its programs (nothing compiled yet)."""
     n = len(setup.ds.y_train)
-    m = arm.tau + 1 if arm.tau is not None else arm.workers
-    per_update = s.batch_size * arm.n_sync * (m if arm.mode == "sync" else 1)
+    p = arm.plan
+    per_update = s.batch_size * p.n_sync * (p.workers if p.mode == "sync" else 1)
     interval = max(1, round(s.epochs * n / per_update / s.evals))
     num_updates = interval * s.evals
+    plan = p.replace(batch_size=s.batch_size, num_updates=num_updates, eval_every=interval, chunk=None)
     variants = arm.variants
     keys, hp = grid(seeds=s.seeds, index=list(range(len(variants))))
     index = np.asarray(hp.pop("index")).astype(int)
     hp = _hparams(variants, s, index)
     params, model_state = setup.warm if arm.warm else setup.init
-    local_lr = (arm.local_lr or s.learning_rate) if arm.n_sync > 1 or arm.push == "delta" else None
-    result = sweep(
+    prepared = prepare_sweep(
         setup.loss_fn,
-        _rule_fn(variants, arm, s, num_updates, m),
+        _rule_fn(variants, arm, s, num_updates),
         params,
         setup.ds.train,
+        plan,
         keys=keys,
         hparams=hp,
-        delays=arm.delays(s.compute_time),
-        batch_size=s.batch_size,
-        num_updates=num_updates,
-        mode=arm.mode,
-        n_sync=arm.n_sync,
-        push=arm.push,
-        local_learning_rate=local_lr,
         model_state=model_state,
         eval_fn=setup.eval_fn,
-        eval_every=interval,
         progress=progress,
         description=arm.description,
     )
+    return _ArmRun(arm, plan, index, prepared)
+
+
+def _arm_results(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list[dict], dict[str, dict]]:
+    """An arm's runs and mean curves, from its sweep's result."""
+    arm, plan, index, variants = run.arm, run.plan, run.index, run.arm.variants
+    n = len(setup.ds.y_train)
+    per_update = s.batch_size * plan.n_sync * (plan.workers if plan.mode == "sync" else 1)
+    num_updates = plan.num_updates
     mx = result.metrics
     seeds = np.repeat(np.asarray(s.seeds), len(variants))
     # Training error per minibatch, smoothed over `window` minibatches (an update is n_sync of them per worker).
-    smoothed = metrics_lib.smooth(mx["error"], max(1, s.window // arm.n_sync))
+    smoothed = metrics_lib.smooth(mx["error"], max(1, s.window // plan.n_sync))
     offset = s.warm_epochs if arm.warm else 0.0
     runs, curves = [], {}
     for i, variant in enumerate(variants):
@@ -587,17 +630,28 @@ def run(
       form: a named form of the study (``"quick"``, ``"full"`` or one of ``study.forms``), instead of ``quick``.
     """
     start = time.perf_counter()
+    cache.enable()  # the studies' programs are kept across processes (asgd_jax.cache)
     s = settings or study.form(form or ("quick" if quick else "full"))
     arms = study.arms(s, quick)
     if not arms:
         raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
     setup = _setup(s, arms, progress)
+    prepared = [_prepare_arm(s, arm, setup, progress) for arm in arms]  # every arm checked before any runs
     runs: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}
-    for arm in arms:
-        arm_runs, arm_curves = _run_arm(s, arm, setup, progress)
-        runs += _for_every(arm, arm_runs)
-        curves.update(arm_curves)
+    # The arms' programs compile (or load) on a thread of their own, in order, while the earlier arms compute: a
+    # compilation releases Python's lock, so the time a study waits for the compiler shrinks to its first arm's.
+    ahead = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="asgd_jax-compile")
+    try:
+        compiled = [ahead.submit(arm_run.sweep.compile) for arm_run in prepared]
+        for arm_run, done in zip(prepared, compiled, strict=True):
+            result = arm_run.sweep.run()  # waits for its compilation if it is still under way
+            done.result()
+            arm_runs, arm_curves = _arm_results(s, arm_run, result, setup)
+            runs += _for_every(arm_run.arm, arm_runs)
+            curves.update(arm_curves)
+    finally:
+        ahead.shutdown(wait=False, cancel_futures=True)
     return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
 
 

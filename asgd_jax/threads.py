@@ -59,9 +59,9 @@ class _Session:
     def __init__(
         self, loss, rule, params, data, config: TrainConfig, ex, model_state, eval_fn, devices, eval_device, header
     ):
-        self.c, self.M, self.ex, self.stateful = config, config.workers, ex, model_state is not None
+        self.c, self.M, self.ex, self.stateful = config, config.plan.workers, ex, model_state is not None
         key = config.key()
-        self.work = exchange.worker_function(loss, ex, config.workers, config.local_lr)
+        self.work = exchange.worker_function(loss, ex, config.plan.workers, config.plan.local_lr)
         groups = session.device_groups(devices, config.devices_per_worker)
         self.groups = [session.DeviceGroup(g, exchange.split_key(key)[2]) for g in groups]
         if config.out is not None:
@@ -77,7 +77,7 @@ class _Session:
             params,
             self.M,
             model_state=model_state,
-            num_updates=config.num_updates,
+            num_updates=config.plan.num_updates,
             out_dir=config.out,
             on_nonfinite=config.on_nonfinite,
             checkpoint_dir=config.out,
@@ -101,7 +101,7 @@ class _Session:
                 data,
                 worker=w,
                 num_workers=self.M,
-                batch_size=config.batch_size,
+                batch_size=config.plan.batch_size,
                 key=key,
                 start_batch=int(done[w]) * ex.n_sync,
             )
@@ -207,7 +207,7 @@ class _Session:
         start = time.perf_counter()
         threads: list[threading.Thread] = []
         try:
-            if store.applied < self.c.num_updates:
+            if store.applied < self.c.plan.num_updates:
                 self._warm_up()
                 body = self._async_worker if self.ex.mode == "async" else self._sync_worker
                 threads = [
@@ -256,7 +256,7 @@ class _Session:
 
         deadline = start + self.c.timeout
         bar = tqdm(
-            total=self.c.num_updates,
+            total=self.c.plan.num_updates,
             initial=self.store.applied,
             disable=not self.c.progress,
             unit="update",

@@ -3,9 +3,9 @@
 :func:`train` validates everything before anything compiles or starts, runs the warm start (GPU A-SGD: one worker
 first, then all M from its weights) and hands the run to a backend: :mod:`asgd_jax.threads` (this machine's devices)
 or :mod:`asgd_jax.ray_backend` (a Ray cluster). Both share :mod:`asgd_jax.session` and the store's server step, so a
-run's ``trace.jsonl`` replays in the simulator: ``simulate(..., delays=Trace.load(path), key=jax.random.key(seed))``
-reproduces the final weights to float tolerance (the same minibatches and dropout masks), also across a kill and a
-resume.
+run's ``trace.jsonl`` replays in the simulator: ``simulate(..., replay_plan(out), key=jax.random.key(seed))`` (the
+plan the run recorded in ``plan.json``, its delays the recorded trace) reproduces the final weights to float tolerance
+(the same minibatches and dropout masks), also across a kill and a resume.
 
 Example:
   >>> import jax, numpy as np, jax.numpy as jnp, asgd_jax
@@ -13,7 +13,7 @@ Example:
   >>> x = np.random.default_rng(0).normal(size=(256, 3)).astype(np.float32)
   >>> data = {"x": x, "y": x @ np.array([1.0, -2.0, 0.5], np.float32)}
   >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
-  >>> config = TrainConfig(workers=2, num_updates=200, batch_size=16, progress=False)
+  >>> config = TrainConfig(asgd_jax.Plan(2, num_updates=200, batch_size=16), progress=False)
   >>> result = train(loss, asgd_jax.asgd(0.1), np.zeros(3, np.float32), data, config, devices=jax.devices()[:2])
   >>> result.pushes_applied, np.round(result.params, 1).tolist()
   (200, [1.0, -2.0, 0.5])
@@ -30,10 +30,13 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import errors, exchange, rules, session
+from asgd_jax import checkpoint, delays, errors, exchange, rules, session
+from asgd_jax.plan import Plan
 from asgd_jax.session import TrainConfig, TrainResult, WorkerStats
 
-__all__ = ["TrainConfig", "TrainResult", "WorkerStats", "train"]
+__all__ = ["TrainConfig", "TrainResult", "WorkerStats", "replay_plan", "train"]
+
+PLAN = "plan.json"
 
 log = logging.getLogger("asgd_jax.trainer")
 
@@ -51,14 +54,14 @@ def train(
     devices: list[jax.Device] | None = None,
     eval_device: jax.Device | None = None,
 ) -> TrainResult:
-    """Trains with ``config.workers`` asynchronous workers against a parameter store.
+    """Trains with ``config.plan.workers`` asynchronous workers against a parameter store.
 
     Args:
       loss_fn, rule, params, data, model_state, has_aux: as in :func:`asgd_jax.simulate` (``data`` stays on the
         host: workers stream their shards).
       config: the run's settings (:class:`TrainConfig`; default ``TrainConfig()``).
-      eval_fn: ``eval_fn(params, model_state) -> dict`` on the server's weights after every ``config.eval_every``-th
-        update, on ``eval_device`` in a thread of its own (workers never wait for it), and once at the end.
+      eval_fn: ``eval_fn(params, model_state) -> dict`` on the server's weights every ``config.eval_interval()``
+        updates, on ``eval_device`` in a thread of its own (workers never wait for it), and once at the end.
       devices: threads backend: the devices to spread the workers over (default: all of ``jax.devices()``).
       eval_device: where evaluations run (default: a device no worker uses, else the last; on Ray the driver's CPU).
 
@@ -70,20 +73,10 @@ def train(
     config = TrainConfig() if config is None else config
     errors.require(isinstance(config, TrainConfig), "config", config, "pass an asgd_jax.trainer.TrainConfig")
     loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
-    if config.eval_every is not None and eval_fn is None:
+    plan = config.plan
+    if plan.eval_every is not None and eval_fn is None:
         raise errors.ConfigError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
-    ex = exchange.validate(
-        loss,
-        data,
-        params,
-        model_state,
-        config.workers,
-        mode=config.mode,
-        n_sync=config.n_sync,
-        push=config.push,
-        batch_size=config.batch_size,
-        local_learning_rate=config.local_lr,
-    )
+    ex = exchange.validate(loss, data, params, model_state, plan)
     devices = list(devices or jax.devices())
     if config.backend == "threads":
         session.device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
@@ -99,13 +92,15 @@ def train(
         "batch_size": ex.batch_size,
         "push": ex.push,
         "key": exchange.key_fingerprint(config.key()),
-        "local_lr": config.local_lr,
+        "local_lr": plan.local_lr,
         "devices_per_worker": config.devices_per_worker,
         "rule": rules.fingerprint(rule, params),
         "data": _data_fingerprint(data),
     }
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)
-    main = config.replace(num_updates=config.num_updates - config.warm_start_steps, warm_start_steps=0)
+    if config.out is not None:
+        _record_plan(config.out, plan)
+    main = config.replace(plan=plan.replace(num_updates=plan.num_updates - config.warm_start_steps), warm_start_steps=0)
     kwargs = dict(ex=ex, model_state=model_state, eval_fn=eval_fn, eval_device=eval_device, header=header)
     if config.backend == "ray":
         from asgd_jax import ray_backend
@@ -125,8 +120,7 @@ def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devi
     if config.resume and main_checkpoint is not None and os.path.exists(main_checkpoint):
         return params, model_state
     warm_config = config.replace(
-        workers=1,
-        num_updates=config.warm_start_steps,
+        plan=config.plan.replace(delays=1, num_updates=config.warm_start_steps, eval_every=None),
         warm_start_steps=0,
         slowdown={},
         out=None if config.out is None else os.path.join(config.out, "warmup"),
@@ -134,6 +128,30 @@ def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devi
     )
     warm = train(loss, rule, params, data, warm_config, model_state=model_state, devices=devices)
     return warm.params, (warm.model_state if model_state is not None else None)
+
+
+def _record_plan(out: str, plan: Plan) -> None:
+    """Writes the run's plan to ``plan.json`` (atomically): what :func:`replay_plan` reads back."""
+    record = {"workers": plan.workers, **{k: v for k, v in plan.describe().items() if k not in ("delays", "workers")}}
+    checkpoint.write_json(os.path.join(out, PLAN), record)
+
+
+def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
+    """The :class:`asgd_jax.Plan` that replays the trainer run in ``out`` in the simulator: the run's recorded plan with
+    its delays the recorded ``trace.jsonl`` (:meth:`asgd_jax.delays.Trace.load`) and its budget the trace's length (or
+    ``num_updates``).
+
+    Example (after ``asgd-jax train --out runs/x``)::
+
+        plan = asgd_jax.trainer.replay_plan("runs/x")
+        replayed = asgd_jax.simulate(loss, rule, params, data, plan, key=jax.random.key(seed))
+    """
+    out = os.fspath(out)
+    record = checkpoint.read_json(os.path.join(out, PLAN))
+    errors.require(isinstance(record, dict), "out", out, f"its {PLAN} is not a trainer's plan record")
+    trace = delays.Trace.load(os.path.join(out, session.TRACE), num=record.get("workers"))
+    fields = {k: record[k] for k in ("batch_size", "mode", "n_sync", "push", "local_lr") if k in record}
+    return Plan(trace, num_updates=num_updates or len(trace), **fields)
 
 
 def _resume_decision(config: TrainConfig) -> bool:

@@ -4,7 +4,6 @@ This runs before any test module imports JAX's backends, so the device count tak
 """
 
 import os
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -13,12 +12,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests must never reach the network for data.
 os.environ.setdefault("TFDS_DATA_DIR", os.path.join(os.path.dirname(__file__), "_no_tfds_data"))
 os.environ.setdefault("MPLBACKEND", "Agg")
-# Many tests (and the notebooks' kernels, Ray's workers and the subprocesses, which inherit this environment) compile
-# identical programs from fresh closures; XLA's persistent cache compiles each once. It only skips recompiling the
-# same HLO, so results are the same bits.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "asgd_jax_tests_xla_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The persistent compilation cache, as `asgd-jax` uses it (asgd_jax.cache: a user cache folder, never the repository;
+# ASGD_JAX_CACHE_DIR moves or disables it). Exported to the environment, so the notebooks' kernels, Ray's workers and
+# the subprocesses share it. It only skips recompiling the same HLO, so results are the same bits.
+from asgd_jax import cache
+
+if cache.folder() is not None:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache.folder())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 

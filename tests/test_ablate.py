@@ -27,7 +27,7 @@ def tiny_result():
 def test_arms_put_each_algorithm_where_the_table_has_it():
     study = studies.load("dcasgd_table1")
     settings = dataclasses.replace(study.form("ablate"), workers=(1, 4))
-    arms = [(a.workers, a.mode, [v.label for v in a.variants]) for a in study.arms(settings, False)]
+    arms = [(a.plan.workers, a.plan.mode, [v.label for v in a.variants]) for a in study.arms(settings, False)]
     assert arms == [(1, "async", ["SGD"]), (4, "async", ["ASGD", "DC-ASGD-c", "DC-ASGD-a"]), (4, "sync", ["SSGD"])]
 
 
@@ -59,12 +59,10 @@ def test_swept_asgd_equals_a_separate_simulation(tiny_result):
         asgd_jax.rules.get("asgd", lr),
         params,
         ds.train,
-        delays=asgd_jax.delays.Workers(2),
-        num_updates=updates,
+        asgd_jax.Plan(asgd_jax.delays.Workers(2), num_updates=updates, eval_every=updates // 2),
         key=jax.random.key(1),
         model_state=state,
         eval_fn=asgd_jax.classification_eval(model, ds.test),
-        eval_every=updates // 2,
         progress=False,
     )
     np.testing.assert_allclose(alone.metrics["eval_error"][-1], run["test_error"], atol=1 / len(ds.y_test) + 1e-6)

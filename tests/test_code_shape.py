@@ -57,9 +57,18 @@ def _train_flags() -> dict[str, object]:
 def test_every_training_setting_is_a_flag_of_the_same_name():
     flags = _train_flags()
     for field in dataclasses.fields(TrainConfig):
+        if field.name == "plan":  # its fields are flags of their own
+            continue
         assert field.name in flags, f"TrainConfig.{field.name} has no --{field.name.replace('_', '-')} flag"
         if field.name not in ("slowdown", "out"):  # W:F strings; the command line always writes a run folder
             assert flags[field.name].default == getattr(TrainConfig(), field.name), field.name
+    plan = TrainConfig().plan
+    for field in dataclasses.fields(asgd_jax.Plan):
+        if field.name in ("delays", "chunk"):  # --workers M; the simulator's chunk length
+            continue
+        assert field.name in flags, f"Plan.{field.name} has no --{field.name.replace('_', '-')} flag"
+        assert flags[field.name].default == getattr(plan, field.name), field.name
+    assert flags["workers"].default == plan.workers
 
 
 def test_the_rule_flag_offers_every_registered_rule():

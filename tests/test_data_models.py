@@ -151,6 +151,7 @@ class _NnxNet(nnx.Module):
 
 
 def test_an_nnx_model_trains_in_the_simulator_and_its_trainer_run_replays(tmp_path):
+    from asgd_jax.plan import Plan
     from asgd_jax.trainer import TrainConfig, train
 
     ds = asgd_jax.data.load("digits")
@@ -163,29 +164,24 @@ def test_an_nnx_model_trains_in_the_simulator_and_its_trainer_run_replays(tmp_pa
         rule,
         params,
         ds.train,
+        asgd_jax.Plan(asgd_jax.delays.Workers(4), batch_size=16, num_updates=300, eval_every=300),
         model_state=state,
-        delays=asgd_jax.delays.Workers(4),
-        batch_size=16,
-        num_updates=300,
         eval_fn=evaluate,
-        eval_every=300,
         progress=False,
     )
     assert sim.metrics["eval_error"][-1] < 0.2  # it learns
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), sim.model_state, state))
     assert max(moved) > 0  # BatchNorm's statistics are the model state the server keeps
     # The trainer with the same NNX model: dropout is keyed like the simulator's, so the trace replays.
-    config = TrainConfig(workers=2, num_updates=20, batch_size=16, seed=4, out=str(tmp_path), progress=False)
+    config = TrainConfig(Plan(2, num_updates=20, batch_size=16), seed=4, out=str(tmp_path), progress=False)
     run = train(loss, rule, params, ds.train, config, model_state=state, devices=jax.devices()[:2])
     replay = asgd_jax.simulate(
         loss,
         rule,
         params,
         ds.train,
+        asgd_jax.Plan(asgd_jax.delays.Trace.load(run.trace_path, num=2), batch_size=16, num_updates=20),
         model_state=state,
-        delays=asgd_jax.delays.Trace.load(run.trace_path, num=2),
-        batch_size=16,
-        num_updates=20,
         key=jax.random.key(4),
         progress=False,
     )
@@ -202,10 +198,8 @@ def test_the_loss_form_is_declared_and_a_mismatch_is_reported_before_compiling()
         asgd_jax.asgd(0.1),
         jnp.zeros(3),
         data,
-        batch_size=4,
-        num_updates=3,
+        asgd_jax.Plan(asgd_jax.delays.Workers(2), batch_size=4, num_updates=3),
         progress=False,
-        delays=asgd_jax.delays.Workers(2),
         **kw,
     )
     with pytest.raises(ValueError, match=r"declared form loss_fn\(params, batch\) -> \(loss, aux\)"):

@@ -18,12 +18,13 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+from helpers.problems import DATA, PLAN_FIELDS, W0, lsq_loss, simulate_clean
 
 import asgd_jax
 from asgd_jax import checkpoint
 from asgd_jax.cli import main
 from asgd_jax.errors import ConfigError, RunStopped
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -41,13 +42,7 @@ def _train(rule, config, data=DATA, **kw):
 
 def test_a_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     config = TrainConfig(
-        workers=2,
-        num_updates=10_000,
-        batch_size=8,
-        out=str(tmp_path),
-        checkpoint_every=1,
-        timeout=GUARD,
-        progress=False,
+        Plan(2, num_updates=10_000, batch_size=8, checkpoint_every=1), out=str(tmp_path), timeout=GUARD, progress=False
     )
     with pytest.raises(RunStopped, match="weights turned NaN or Inf at update"):
         _train(asgd_jax.asgd(1e12), config)
@@ -61,7 +56,7 @@ def test_a_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
 
 def test_a_run_whose_every_push_is_nan_stops_after_max_nonfinite(tmp_path):
     poisoned = {"x": np.full_like(DATA["x"], np.nan), "y": DATA["y"]}
-    config = TrainConfig(workers=2, num_updates=100, batch_size=8, max_nonfinite=6, timeout=GUARD, progress=False)
+    config = TrainConfig(Plan(2, num_updates=100, batch_size=8), max_nonfinite=6, timeout=GUARD, progress=False)
     with pytest.raises(RunStopped, match=r"6 pushes in a row held NaN or Inf.*\(--max-nonfinite\)"):
         _train(asgd_jax.asgd(0.1), config, data=poisoned)
 
@@ -96,9 +91,7 @@ def test_the_simulator_says_when_its_loss_turns_nan():
         asgd_jax.asgd(0.05),
         W0,
         poisoned,
-        batch_size=8,
-        num_updates=40,
-        delays=asgd_jax.delays.Workers(2),
+        asgd_jax.Plan(asgd_jax.delays.Workers(2), batch_size=8, num_updates=40),
         progress=False,
         **kw,
     )
@@ -108,7 +101,12 @@ def test_the_simulator_says_when_its_loss_turns_nan():
         run(on_nonfinite="stop")
     with pytest.raises(ConfigError, match="params hold NaN"):
         asgd_jax.simulate(
-            lsq_loss, asgd_jax.asgd(0.05), np.full(4, np.nan, np.float32), DATA, batch_size=8, progress=False
+            lsq_loss,
+            asgd_jax.asgd(0.05),
+            np.full(4, np.nan, np.float32),
+            DATA,
+            asgd_jax.Plan(batch_size=8),
+            progress=False,
         )
 
 
@@ -149,8 +147,8 @@ def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_check
         from helpers.problems import DATA, W0, lsq_loss, simulate_clean
         from asgd_jax.errors import RunStopped
         from asgd_jax.trainer import TrainConfig, train
-        config = TrainConfig(workers=2, num_updates=2000, batch_size=8, out={str(tmp_path)!r}, checkpoint_every=10,
-                             log_every=0.05, timeout={GUARD}, progress=False)
+        config = TrainConfig(asgd_jax.Plan(2, num_updates=2000, batch_size=8, checkpoint_every=10),
+                             out={str(tmp_path)!r}, log_every=0.05, timeout={GUARD}, progress=False)
         try:
             train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config)
         except RunStopped as e:
@@ -181,14 +179,14 @@ def test_a_dead_applier_stops_the_run_at_once_with_its_error():
         return base.update(g, state, params, **extra)
 
     rule = asgd_jax.rules.optax.GradientTransformationExtraArgs(base.init, update)
-    config = TrainConfig(workers=2, num_updates=10_000, batch_size=8, timeout=GUARD, progress=False)
+    config = TrainConfig(Plan(2, num_updates=10_000, batch_size=8), timeout=GUARD, progress=False)
     with pytest.raises(RunStopped, match=r"(?s)applier failed: .*injected fault in the applier"):
         _train(rule, config)
 
 
 def test_a_run_cut_short_by_its_timeout_says_so(tmp_path, capsys):
     config = TrainConfig(
-        workers=2, num_updates=10**7, batch_size=8, out=str(tmp_path / "api"), timeout=1.0, progress=False
+        Plan(2, num_updates=10**7, batch_size=8), out=str(tmp_path / "api"), timeout=1.0, progress=False
     )
     result = _train(asgd_jax.asgd(0.05), config)
     assert result.ended == "timeout" and 0 < result.pushes_applied < 10**7
@@ -217,17 +215,11 @@ def test_a_run_cut_short_by_its_timeout_says_so(tmp_path, capsys):
 
 
 def _base(tmp_path, **kw):
-    values = dict(
-        workers=2,
-        num_updates=20,
-        batch_size=8,
-        seed=3,
-        out=str(tmp_path),
-        checkpoint_every=5,
-        progress=False,
-        timeout=GUARD,
-    )
-    return TrainConfig(**{**values, **kw})
+    plan = dict(num_updates=20, batch_size=8, checkpoint_every=5)
+    values = dict(seed=3, out=str(tmp_path), progress=False, timeout=GUARD)
+    for k, v in kw.items():
+        (plan if k in PLAN_FIELDS else values)[k] = v
+    return TrainConfig(Plan(2, **plan), **values)
 
 
 def test_a_half_written_trace_line_is_cut_on_resume_and_the_trace_still_replays(tmp_path):
@@ -266,9 +258,7 @@ def test_a_resume_without_a_whole_trace_or_with_other_settings_is_refused(tmp_pa
 def test_the_trace_records_the_worker_count_for_a_worker_that_never_pushed(tmp_path):
     rule = lambda: asgd_jax.asgd(0.05)
     config = TrainConfig(
-        workers=3,
-        num_updates=24,
-        batch_size=8,
+        Plan(3, num_updates=24, batch_size=8),
         seed=3,
         out=str(tmp_path),
         slowdown={2: 500.0},

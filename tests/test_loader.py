@@ -47,9 +47,7 @@ def test_matches_the_simulators_minibatch_order():
         asgd_jax.asgd(1.0),
         jnp.zeros(()),
         {"x": x},
-        delays=asgd_jax.delays.Trace([1, 0, 1, 1, 0], num=2),
-        batch_size=5,
-        num_updates=5,
+        asgd_jax.Plan(asgd_jax.delays.Trace([1, 0, 1, 1, 0], num=2), batch_size=5, num_updates=5),
         key=key,
         progress=False,
     )

@@ -16,6 +16,7 @@ from helpers.reference import lsq_grad
 
 import asgd_jax
 from asgd_jax import delays, rules, server
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 LR = 0.05
@@ -132,7 +133,7 @@ def test_dana_sends_a_look_ahead_and_the_gradient_is_taken_there():
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_pull_side_rule_replays_from_a_trainer_trace(tmp_path, mode):
     rule = lambda: rules.dana(LR, num_workers=3, momentum=0.9)
-    config = TrainConfig(workers=3, num_updates=30, batch_size=8, seed=2, mode=mode, out=str(tmp_path), progress=False)
+    config = TrainConfig(Plan(3, num_updates=30, batch_size=8, mode=mode), seed=2, out=str(tmp_path), progress=False)
     result = train(lsq_loss, rule(), W1, DATA, config, devices=jax.devices()[:3])
     trace = delays.Trace.load(result.trace_path)
     replay = simulate_clean(
@@ -183,11 +184,9 @@ def test_one_of_with_a_traced_index_in_a_sweep_is_each_rule_on_its_own():
         lambda h: rules.one_of(h["index"], [c() for c in CHOICES]),
         jnp.asarray(W1),
         DATA,
+        asgd_jax.Plan(delays.Workers(3), batch_size=8, num_updates=30),
         keys=keys,
         hparams={"index": jnp.asarray(hp["index"], jnp.int32)},
-        delays=delays.Workers(3),
-        batch_size=8,
-        num_updates=30,
         progress=False,
     )
     for i, rule in enumerate(choices):
@@ -196,9 +195,7 @@ def test_one_of_with_a_traced_index_in_a_sweep_is_each_rule_on_its_own():
             rule,
             jnp.asarray(W1),
             DATA,
-            delays=delays.Workers(3),
-            batch_size=8,
-            num_updates=30,
+            asgd_jax.Plan(delays.Workers(3), batch_size=8, num_updates=30),
             key=jax.random.key(5),
             progress=False,
         )

@@ -83,12 +83,9 @@ def test_resnet20_trains_through_the_simulator_and_evaluates_with_the_servers_st
         asgd_jax.dc_asgd(0.05, 2.0, adaptive=True),
         params,
         {"x": x, "y": y},
-        delays=asgd_jax.delays.Workers(2),
-        batch_size=8,
-        num_updates=24,
+        asgd_jax.Plan(asgd_jax.delays.Workers(2), batch_size=8, num_updates=24, eval_every=12),
         model_state=state,
         eval_fn=eval_fn,
-        eval_every=12,
         progress=False,
     )
     losses = result.metrics["loss"]

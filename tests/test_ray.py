@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import problems as lsq_problem
-from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+from helpers.problems import DATA, W0, lsq_loss, simulate_clean, train_config
 
 import asgd_jax
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 ray = pytest.importorskip("ray")
@@ -65,7 +66,7 @@ def _train_in_thread(**kwargs):
                 rule(),
                 W0,
                 DATA,
-                TrainConfig(workers=2, batch_size=4, seed=3, backend="ray", timeout=LIMIT, **kwargs),
+                train_config(2, batch_size=4, seed=3, backend="ray", timeout=LIMIT, **kwargs),
             )
         except BaseException as e:
             box["error"] = e
@@ -111,13 +112,10 @@ def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
         W0,
         DATA,
         TrainConfig(
-            workers=2,
-            num_updates=40,
-            batch_size=4,
+            Plan(2, num_updates=40, batch_size=4, eval_every=10),
             seed=3,
             backend="ray",
             out=str(tmp_path),
-            eval_every=10,
             log_every=0.05,
         ),
         eval_fn=lambda w, _: {"loss": lsq_loss(w, DATA)},
@@ -134,9 +132,7 @@ def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
             rule(),
             jnp.asarray(W0),
             DATA,
-            delays=trace,
-            batch_size=4,
-            num_updates=e["update"],
+            asgd_jax.Plan(trace, batch_size=4, num_updates=e["update"]),
             key=jax.random.key(3),
             progress=False,
         ).params
@@ -165,7 +161,7 @@ def test_sync_mode_on_ray_is_the_simulators_ssgd(local_ray):
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=2, num_updates=12, batch_size=4, seed=seed, mode="sync", backend="ray"),
+        TrainConfig(Plan(2, num_updates=12, batch_size=4, mode="sync"), seed=seed, backend="ray"),
     )
     assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
     assert [w.pushes for w in result.workers] == [12, 12]
@@ -250,7 +246,7 @@ def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(loc
             rule(),
             W0,
             DATA,
-            TrainConfig(workers=2, num_updates=600, batch_size=4, seed=3, backend="ray", out=str(tmp_path)),
+            TrainConfig(Plan(2, num_updates=600, batch_size=4), seed=3, backend="ray", out=str(tmp_path)),
         )
     with np.load(tmp_path / "checkpoint.npz") as f:
         stopped_at = json.loads(bytes(f["__header__"]).decode())["applied"]
@@ -262,7 +258,7 @@ def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(loc
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=2, num_updates=600, batch_size=4, seed=3, backend="ray", out=str(tmp_path), resume=True),
+        TrainConfig(Plan(2, num_updates=600, batch_size=4), seed=3, backend="ray", out=str(tmp_path), resume=True),
     )
     assert result.resumed_from == stopped_at and result.pushes_applied == 600
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
@@ -271,7 +267,7 @@ def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(loc
 def test_more_workers_than_the_cluster_has_cpus_for_fail_at_once_naming_the_fix(local_ray):
     """Three one-CPU worker actors on a two-CPU cluster: the third could never be scheduled; nothing is started."""
     before = set(ray.util.list_named_actors())
-    config = TrainConfig(workers=3, batch_size=4, seed=3, backend="ray", num_updates=50)
+    config = TrainConfig(Plan(3, batch_size=4, num_updates=50), seed=3, backend="ray")
     with pytest.raises(asgd_jax.errors.ConfigError, match=r"--workers 3 needs 3 CPUs .* has 2: use --workers 2 or"):
         train(lsq_loss, rule(), W0, DATA, config)
     assert set(ray.util.list_named_actors()) <= before
@@ -280,7 +276,7 @@ def test_more_workers_than_the_cluster_has_cpus_for_fail_at_once_naming_the_fix(
 def test_without_ray_the_backend_fails_at_once_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'asgd_jax\[ray\]'"):
-        train(lsq_loss, rule(), W0, DATA, TrainConfig(workers=2, num_updates=5, backend="ray"))
+        train(lsq_loss, rule(), W0, DATA, TrainConfig(Plan(2, num_updates=5), backend="ray"))
 
 
 def test_cli_train_on_ray(local_ray, tmp_path, capsys):

@@ -111,9 +111,7 @@ def test_sync_mode_averages_the_workers_gradients_at_the_same_weights():
 def test_n_sync_push_modes(push):
     k, lr_local, lr_server, updates = 3, 0.05, 0.5, 6
     rule = asgd_jax.asgd(lr_server)
-    result = simulate_lsq(
-        rule, delays.Workers(1), num_updates=updates, n_sync=k, push=push, local_learning_rate=lr_local
-    )
+    result = simulate_lsq(rule, delays.Workers(1), num_updates=updates, n_sync=k, push=push, local_lr=lr_local)
     w = W0.astype(np.float64)
     batches = BatchOrder(0, num_shards=1)
     for _ in range(updates):
@@ -131,9 +129,7 @@ def test_n_sync_push_modes(push):
 
 def test_delta_push_with_unit_server_lr_is_local_sgd():
     # M = 1, push the delta, server lr 1: exactly n_sync * U steps of plain SGD at the local learning rate.
-    a = simulate_lsq(
-        asgd_jax.asgd(1.0), delays.Workers(1), num_updates=5, n_sync=4, push="delta", local_learning_rate=0.05
-    )
+    a = simulate_lsq(asgd_jax.asgd(1.0), delays.Workers(1), num_updates=5, n_sync=4, push="delta", local_lr=0.05)
     b = simulate_lsq(asgd_jax.asgd(0.05), delays.Workers(1), num_updates=20)
     np.testing.assert_allclose(a.params, b.params, rtol=1e-5, atol=1e-6)
 
@@ -157,18 +153,8 @@ def test_same_key_gives_identical_bits_and_other_keys_differ():
 def test_sweep_equals_separate_runs():
     keys, hp = asgd_jax.grid(seeds=[0, 1], lam=[0.0, 2.0])
     rule_fn = lambda h: asgd_jax.dc_asgd(0.05, h["lam"], adaptive=True)
-    swept = asgd_jax.sweep(
-        lsq_loss,
-        rule_fn,
-        jnp.asarray(W0),
-        DATA,
-        keys=keys,
-        hparams=hp,
-        delays=delays.Workers(4),
-        batch_size=B,
-        num_updates=50,
-        progress=False,
-    )
+    plan = asgd_jax.Plan(delays.Workers(4), batch_size=B, num_updates=50)
+    swept = asgd_jax.sweep(lsq_loss, rule_fn, jnp.asarray(W0), DATA, plan, keys=keys, hparams=hp, progress=False)
     assert swept.params.shape == (4, DIM)
     for r, (seed, lam) in enumerate([(0, 0.0), (0, 2.0), (1, 0.0), (1, 2.0)]):
         alone = simulate_lsq(asgd_jax.dc_asgd(0.05, lam, adaptive=True), delays.Workers(4), num_updates=50, key=seed)
@@ -185,11 +171,10 @@ def test_sweep_over_delay_parameters_equals_separate_runs():
         lambda h: asgd_jax.asgd(0.05),
         jnp.asarray(W0),
         DATA,
+        asgd_jax.Plan(make(0.5, 1.0), batch_size=B, num_updates=40),
         keys=keys,
         hparams=hp,
-        batch_size=B,
-        delays=lambda h: make(h["p"], h["mean"]),
-        num_updates=40,
+        delays_fn=lambda h: make(h["p"], h["mean"]),
         progress=False,
     )
     for r in range(4):
@@ -248,9 +233,7 @@ def test_model_state_workers_use_their_pulled_state_and_server_keeps_the_latest(
         asgd_jax.asgd(0.01),
         jnp.asarray(W0),
         DATA,
-        delays=delays.Workers(2, compute_time="constant"),
-        batch_size=B,
-        num_updates=7,
+        asgd_jax.Plan(delays.Workers(2, compute_time="constant"), batch_size=B, num_updates=7),
         model_state={"count": jnp.int32(0)},
         progress=False,
     )
@@ -280,7 +263,8 @@ def test_model_state_workers_use_their_pulled_state_and_server_keeps_the_latest(
         (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), mode="semi"), "mode='semi'"),
         (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), push="weights"), "push='weights'"),
         (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.FixedDelay(2), mode="sync"), "sync"),
-        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), n_sync=2), "local_learning_rate"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), n_sync=2), "local_lr"),
+        (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), push="delta"), "local_lr"),
         (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Trace([0, 1]), num_updates=5), "num_updates=5"),
         (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), num_updates=0), "num_updates=0"),
         (lambda: simulate_lsq(asgd_jax.asgd(0.1), delays.Workers(2), batch_size=0), "batch_size=0"),

@@ -83,7 +83,7 @@ CASES = {
     "Workers(8), n_sync 4, local steps": (
         delays.Workers(8),
         asgd_jax.asgd(0.01),
-        {"n_sync": 4, "push": "gradients", "local_learning_rate": 0.01},
+        {"n_sync": 4, "push": "gradients", "local_lr": 0.01},
     ),
 }
 
@@ -91,7 +91,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_an_update_reads_the_pushing_workers_snapshot_once_and_writes_one_backup_in_place(case, floor_copies):
     model, rule, kwargs = CASES[case]
-    lowered = asgd_jax.simulator.lower(LOSS, rule, PARAMS, DATA, delays=model, batch_size=BATCH, length=10, **kwargs)
+    plan = asgd_jax.Plan(model, batch_size=BATCH, chunk=10, **kwargs)
+    lowered = asgd_jax.simulator.lower(LOSS, rule, PARAMS, DATA, plan)
     counts = _inventory(lowered.compile().as_text(), model.num_slots, LEAVES)
     n = len(LEAVES)
     per_worker = 2 if "per worker" in case else 1  # DC-ASGD-a's per-worker MeanSquare is a stack of its own
@@ -110,9 +111,8 @@ def test_an_update_reads_the_pushing_workers_snapshot_once_and_writes_one_backup
 def test_a_single_slot_costs_what_sequential_sgd_costs(model, floor_copies):
     # One slot always holds w_t: the loop reads the live weights and writes the slot once per chunk, so the update
     # is plain SGD's (no slice, no write into the stack, no copy beyond the floor's).
-    lowered = asgd_jax.simulator.lower(
-        LOSS, asgd_jax.asgd(0.01), PARAMS, DATA, delays=model, batch_size=BATCH, length=10
-    )
+    plan = asgd_jax.Plan(model, batch_size=BATCH, chunk=10)
+    lowered = asgd_jax.simulator.lower(LOSS, asgd_jax.asgd(0.01), PARAMS, DATA, plan)
     counts = _inventory(lowered.compile().as_text(), model.num_slots, LEAVES)
     assert counts["param dynamic-slice"] == 0, counts
     assert counts["param dynamic-update-slice"] == 0, counts
@@ -142,13 +142,8 @@ def test_the_result_does_not_depend_on_how_the_run_is_cut_into_chunks(model, mod
         rule,
         jnp.zeros(4),
         data,
-        delays=model,
-        mode=mode,
-        batch_size=8,
-        num_updates=40,
+        asgd_jax.Plan(model, mode=mode, batch_size=8, num_updates=40, chunk=every),
         progress=False,
-        eval_fn=lambda w, _: {},
-        eval_every=every,
     )
     one, whole = run(1), run(40)
     assert np.isfinite(whole.params).all() and whole.metrics["loss"][-1] < 0.5 * whole.metrics["loss"][0]
@@ -177,10 +172,7 @@ def test_the_update_loop_holds_no_loop_of_its_own(case):
         asgd_jax.dc_asgd(0.01, 2.0, adaptive=True),
         PARAMS,
         DATA,
-        delays=model,
-        batch_size=BATCH,
-        length=10,
-        **kwargs,
+        asgd_jax.Plan(model, batch_size=BATCH, chunk=10, **kwargs),
     )
     assert _open_loops(lowered.compile().as_text()) == []
     # The reader finds such a loop where there is one: a plain SGD loop that walks the data order per minibatch.

@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from asgd_jax import studies
+from asgd_jax import delays, studies
 from asgd_jax.cli import main
+from asgd_jax.plan import Plan
 
 TINY = studies.Settings(dataset="digits", seeds=(0, 1), epochs=1.0, evals=2, window=10, warm_epochs=0.5)
 
@@ -28,16 +29,17 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
     ]
     full = {n: studies.load(n) for n in names}
     arms = {n: s.arms(s.full, False) for n, s in full.items()}
-    gpu = {(a.coords["clients"], a.n_sync, a.coords["start"]) for a in arms["gpu_asgd_nsync"]}
+    gpu = {(a.coords["clients"], a.plan.n_sync, a.coords["start"]) for a in arms["gpu_asgd_nsync"]}
     assert gpu == {(c, n, s) for c in (1, 2, 4, 8, 16, 32) for n in (1, 10, 100, 300, 900) for s in ("cold", "warm")}
     assert all(a.warm == (a.coords["start"] == "warm") for a in arms["gpu_asgd_nsync"])
     (sweep_arm,) = arms["dcasgd_lambda_sweep"]  # one compiled program
     assert sorted(v.lam for v in sweep_arm.variants if v.adaptive) == [0.0, 0.5, 1.0, 2.0, 4.0]
-    table1 = {(a.coords["M"], v.label, a.mode) for a in arms["dcasgd_table1"] for v in a.variants}
+    table1 = {(a.coords["M"], v.label, a.plan.mode) for a in arms["dcasgd_table1"] for v in a.variants}
     assert table1 == {(1, "SGD", "async")} | {
         (m, label, "async") for m in (4, 8) for label in ("ASGD", "DC-ASGD-c", "DC-ASGD-a")
     } | {(4, "SSGD", "sync"), (8, "SSGD", "sync")}
-    assert {a.coords["M"] for a in arms["staleness_curve"] if a.tau is None} == {1, 2, 4, 8, 16, 32}
+    curve = arms["staleness_curve"]
+    assert {a.coords["M"] for a in curve if isinstance(a.plan.delays, delays.Workers)} == {1, 2, 4, 8, 16, 32}
     assert full["dcasgd_table1"].full.model == "resnet20" and full["dcasgd_table1"].paper[8]["DC-ASGD-a"] == 8.57
     for name, study in full.items():  # every study documents its command and expectation
         assert f"asgd-jax run {name} --quick" in study.reproduces and "Expected:" in study.reproduces
@@ -72,9 +74,11 @@ def test_warm_arms_start_from_the_warm_up_and_fixed_delay_arms_run():
         full=TINY,
         rows="M",
         arms=lambda s, q: [
-            studies.Arm({"M": 2, "start": "cold"}, workers=2, n_sync=2, push="delta", server_lr=1.0),
-            studies.Arm({"M": 2, "start": "warm"}, workers=2, n_sync=2, push="delta", server_lr=1.0, warm=True),
-            studies.Arm({"M": 3, "tau": 2}, tau=2),
+            studies.Arm({"M": 2, "start": "cold"}, Plan(2, n_sync=2, push="delta", local_lr=0.5), server_lr=1.0),
+            studies.Arm(
+                {"M": 2, "start": "warm"}, Plan(2, n_sync=2, push="delta", local_lr=0.5), server_lr=1.0, warm=True
+            ),
+            studies.Arm({"M": 3, "tau": 2}, Plan(delays.FixedDelay(2))),
         ],
     )
     result = studies.run(study, settings=TINY, progress=False)
@@ -132,11 +136,14 @@ def test_the_leaderboard_grid_is_the_issues():
         assert set(rules_per_cell[cell]) == expected
         assert all(len(lrs) >= 2 for lrs in rules_per_cell[cell].values())  # every rule's lr is tuned
     (reference,) = [a for a in arms if a.for_every]  # sequential SGD, run once, stands in every cell
-    assert reference.workers == 1 and set(reference.for_every) == {"M", "cluster"}
+    assert reference.plan.workers == 1 and set(reference.for_every) == {"M", "cluster"}
     dn = [a for a in arms if a.variants[0].rule == "delayed_nesterov"]
-    assert all(a.n_sync > 1 and a.push == "delta" and a.rule_options["buffer_size"] == a.workers for a in dn)
+    assert all(
+        a.plan.n_sync > 1 and a.plan.push == "delta" and a.rule_options["buffer_size"] == a.plan.workers for a in dn
+    )
     slow = [a for a in arms if a.coords["cluster"] == "half at half speed"]
-    assert all(sorted(a.worker_kwargs["speeds"]) == [0.5] * (a.workers // 2) + [1.0] * (a.workers // 2) for a in slow)
+    half = lambda m: [0.5] * (m // 2) + [1.0] * (m // 2)
+    assert all(sorted(a.plan.delays.speeds) == half(a.plan.workers) for a in slow)
     assert (
         study.full.seeds == study.quick.seeds == (0, 1, 2, 3, 4)
         and study.full.model == "resnet20"
@@ -152,8 +159,8 @@ def test_a_mix_of_rules_in_one_arm_gives_each_rule_its_own_runs():
         studies.Variant("Gap-Aware", rule="gap_aware", lr=0.2),
         studies.Variant("DANA", rule="dana", lr=0.05),
     )
-    one = [studies.Arm({"M": 3}, workers=3, variants=variants)]
-    apart = [studies.Arm({"M": 3}, workers=3, variants=(v,)) for v in variants]
+    one = [studies.Arm({"M": 3}, Plan(3), variants=variants)]
+    apart = [studies.Arm({"M": 3}, Plan(3), variants=(v,)) for v in variants]
     settings = dataclasses.replace(TINY, seeds=(0,))
 
     def runs(arms):
@@ -228,12 +235,12 @@ def test_facets_give_one_table_each_with_both_metrics_and_the_picks():
 def test_a_progress_bar_names_its_arm_each_rule_once_and_its_cluster():
     study = studies.load("staleness_leaderboard")
     arms = study.arms(study.quick, True)
-    push = next(a for a in arms if a.coords == {"M": 16, "cluster": "half at half speed"} and a.mode == "async")
+    push = next(a for a in arms if a.coords == {"M": 16, "cluster": "half at half speed"} and a.plan.mode == "async")
     assert (
         push.description
         == ("M=16 async, half at half speed: ASGD, DC-ASGD-c, DC-ASGD-a, staleness-aware, delay-adaptive, Gap-Aw")[:72]
     )
-    ssgd = next(a for a in arms if a.coords == {"M": 4, "cluster": "fixed delay"} and a.mode == "sync")
+    ssgd = next(a for a in arms if a.coords == {"M": 4, "cluster": "fixed delay"} and a.plan.mode == "sync")
     assert ssgd.description == "M=4 sync, fixed delay: SSGD"
 
 

@@ -57,9 +57,7 @@ def test_tfds_dataset_trains_through_the_simulator(mocked, tmp_path):
         asgd_jax.asgd(0.1),
         params,
         ds.train,
-        delays=asgd_jax.delays.Workers(2),
-        batch_size=4,
-        num_updates=30,
+        asgd_jax.Plan(asgd_jax.delays.Workers(2), batch_size=4, num_updates=30),
         model_state=state,
         progress=False,
     )

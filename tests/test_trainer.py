@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+from helpers.problems import DATA, W0, lsq_loss, simulate_clean, train_config
 
 import asgd_jax
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 
@@ -45,22 +46,13 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     key = jax.random.key(5)
     request.getfixturevalue("no_implicit_transfers")
     steps = 40 if n_sync == 1 else 16
-    sync = dict(n_sync=n_sync, push=push, local_learning_rate=local_lr)
+    sync = dict(n_sync=n_sync, push=push, local_lr=local_lr)
     result = train(
         lsq_loss,
         RULES[rule_name](),
         W0,
         DATA,
-        TrainConfig(
-            workers=4,
-            num_updates=steps,
-            batch_size=4,
-            seed=5,
-            out=str(tmp_path),
-            n_sync=n_sync,
-            push=push,
-            local_lr=local_lr,
-        ),
+        TrainConfig(Plan(4, num_updates=steps, batch_size=4, **sync), seed=5, out=str(tmp_path)),
         devices=jax.devices()[:4],
     )
     jax.config.update("jax_transfer_guard", "allow")  # the replay below is ordinary host-side code
@@ -94,7 +86,7 @@ def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
         asgd_jax.asgd(0.05),
         W0,
         DATA,
-        TrainConfig(workers=3, num_updates=30, batch_size=4, seed=0, on_worker_failure=policy, timeout=60),
+        TrainConfig(Plan(3, num_updates=30, batch_size=4), seed=0, on_worker_failure=policy, timeout=60),
         devices=jax.devices()[:3],
     )
     assert result.failures == {1: "RuntimeError: loader of worker 1 failed: disk went away"}
@@ -124,7 +116,7 @@ def test_a_dropout_model_replays_exactly_too(tmp_path, n_sync):
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=3, num_updates=30, batch_size=4, seed=seed, out=str(tmp_path), **sync),
+        train_config(3, num_updates=30, batch_size=4, seed=seed, out=str(tmp_path), **sync),
         model_state={},
         devices=jax.devices()[:3],
     )
@@ -135,11 +127,11 @@ def test_a_dropout_model_replays_exactly_too(tmp_path, n_sync):
 
 def test_bad_trainer_arguments_raise_before_anything_starts():
     with pytest.raises(ValueError, match="on_worker_failure='retry'"):
-        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=5, on_worker_failure="retry"))
+        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(Plan(2, num_updates=5), on_worker_failure="retry"))
     with pytest.raises(ValueError, match="batch_size=64"):
-        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=5, batch_size=64))
+        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(Plan(2, num_updates=5, batch_size=64)))
     with pytest.raises(ValueError, match="num_updates=0"):
-        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=0))
+        train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(Plan(2, num_updates=0)))
     bad = {
         "mode='ring'": dict(mode="ring"),
         "devices_per_worker=16 but only 8": dict(devices_per_worker=16),
@@ -151,7 +143,7 @@ def test_bad_trainer_arguments_raise_before_anything_starts():
     }
     for message, kwargs in bad.items():
         with pytest.raises(ValueError, match=message):
-            train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, TrainConfig(workers=2, num_updates=5, **kwargs))
+            train(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, train_config(2, **{"num_updates": 5, **kwargs}))
 
 
 def test_cli_train_config_file_resume_and_warm_start(tmp_path, capsys):
@@ -195,7 +187,7 @@ def test_non_finite_pushes_are_rejected_and_training_goes_on():
         asgd_jax.asgd(0.05),
         W0,
         poisoned,
-        TrainConfig(workers=2, num_updates=40, batch_size=8, seed=1),
+        TrainConfig(Plan(2, num_updates=40, batch_size=8), seed=1),
         devices=jax.devices()[:2],
     )
     assert result.pushes_applied == 40 and result.pushes_rejected - result.pushes_late >= 1  # the NaN pushes

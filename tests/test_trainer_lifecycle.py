@@ -18,6 +18,7 @@ from helpers.problems import DATA, W0, lsq_loss, simulate_clean
 
 import asgd_jax
 from asgd_jax import checkpoint
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -56,30 +57,28 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, j)
         asgd_jax.loader.ShardLoader.batch = batch
-        train(lsq_loss, rule(), W0, DATA, TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3,
-              out={str(tmp_path)!r}, checkpoint_every=5, progress=False))
+        train(lsq_loss, rule(), W0, DATA, TrainConfig(asgd_jax.Plan(4, num_updates=40, batch_size=4,
+              checkpoint_every=5), seed=3, out={str(tmp_path)!r}, progress=False))
     """)
     assert killed.returncode == -9, killed.stderr
     trace_lines = len((tmp_path / "trace.jsonl").read_text().splitlines())
     assert trace_lines < 40
     with pytest.raises(ValueError, match="already holds a checkpoint"):  # never overwritten silently
-        train(lsq_loss, rule(), W0, DATA, TrainConfig(workers=4, num_updates=40, batch_size=4, out=str(tmp_path)))
+        train(lsq_loss, rule(), W0, DATA, TrainConfig(Plan(4, num_updates=40, batch_size=4), out=str(tmp_path)))
     with pytest.raises(ValueError, match="batch_size: checkpoint 4 vs now 8"):  # a different run is refused
         train(
             lsq_loss,
             rule(),
             W0,
             DATA,
-            TrainConfig(workers=4, num_updates=40, batch_size=8, out=str(tmp_path), resume=True),
+            TrainConfig(Plan(4, num_updates=40, batch_size=8), out=str(tmp_path), resume=True),
         )
     result = train(
         lsq_loss,
         rule(),
         W0,
         DATA,
-        TrainConfig(
-            workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path), checkpoint_every=5, resume=True
-        ),
+        TrainConfig(Plan(4, num_updates=40, batch_size=4, checkpoint_every=5), seed=3, out=str(tmp_path), resume=True),
         devices=jax.devices()[:4],
     )
     assert 5 <= result.resumed_from <= trace_lines and result.resumed_from % 5 == 0
@@ -140,7 +139,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
             rule(),
             W0,
             DATA,
-            TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path)),
+            TrainConfig(Plan(4, num_updates=40, batch_size=4), seed=3, out=str(tmp_path)),
             devices=jax.devices()[:4],
         )
     stopped_at = _header(tmp_path)["applied"]
@@ -153,7 +152,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path), resume=True),
+        TrainConfig(Plan(4, num_updates=40, batch_size=4), seed=3, out=str(tmp_path), resume=True),
         devices=jax.devices()[:4],
     )
     assert result.resumed_from == stopped_at and result.pushes_applied == 40
@@ -168,7 +167,7 @@ def test_sync_mode_is_the_simulators_ssgd():
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=4, num_updates=12, batch_size=4, seed=seed, mode="sync"),
+        TrainConfig(Plan(4, num_updates=12, batch_size=4, mode="sync"), seed=seed),
         devices=jax.devices()[:4],
     )
     assert result.pushes_applied == 12 and set(result.staleness_counts) == {0}
@@ -187,7 +186,7 @@ def test_a_group_of_two_devices_averages_like_one_worker_with_the_doubled_batch(
             rule(),
             W0,
             DATA,
-            TrainConfig(workers=2, num_updates=20, batch_size=8, seed=seed, devices_per_worker=2, out=str(tmp_path)),
+            TrainConfig(Plan(2, num_updates=20, batch_size=8), seed=seed, devices_per_worker=2, out=str(tmp_path)),
             devices=jax.devices()[:4],
         )
     finally:
@@ -201,7 +200,7 @@ def test_warm_start_trains_one_worker_first_then_everyone_starts_from_its_weight
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=4, num_updates=30, warm_start_steps=10, batch_size=4, seed=3, out=str(tmp_path)),
+        TrainConfig(Plan(4, num_updates=30, batch_size=4), warm_start_steps=10, seed=3, out=str(tmp_path)),
         devices=jax.devices()[:4],
     )
     warm_trace = [json.loads(line) for line in (tmp_path / "warmup" / "trace.jsonl").read_text().splitlines()]
@@ -228,7 +227,7 @@ def test_evaluation_runs_beside_the_workers_and_metrics_stream_to_jsonl(tmp_path
         rule(),
         W0,
         DATA,
-        TrainConfig(workers=4, num_updates=40, batch_size=4, seed=3, out=str(tmp_path), eval_every=10, log_every=0.01),
+        TrainConfig(Plan(4, num_updates=40, batch_size=4, eval_every=10), seed=3, out=str(tmp_path), log_every=0.01),
         devices=jax.devices()[:4],
         eval_fn=eval_fn,
     )

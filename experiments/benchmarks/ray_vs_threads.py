@@ -24,11 +24,12 @@ import ray
 from trainer_overhead import make_problem
 
 import asgd_jax
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 
 def run(backend, loss, params, data, steps, workers=2):
-    config = TrainConfig(workers=workers, num_updates=steps, batch_size=256, seed=0, backend=backend, progress=False)
+    config = TrainConfig(Plan(workers, num_updates=steps, batch_size=256), seed=0, backend=backend, progress=False)
     rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=workers)
     result = train(loss, rule, params, data, config, devices=jax.devices()[:workers])
     assert result.pushes_applied == steps and not result.failures

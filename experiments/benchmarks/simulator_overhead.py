@@ -205,14 +205,11 @@ def time_simulate(wl, updates: int, chunks: int, engine: str) -> tuple[float, fl
         rule,
         wl["params"],
         wl["data"],
-        delays=delays,
-        batch_size=wl["batch_size"],
-        num_updates=num_updates,
-        eval_every=num_updates // chunks,
-        eval_fn=lambda p, s: {},
+        asgd_jax.Plan(
+            delays, batch_size=wl["batch_size"], num_updates=num_updates, chunk=num_updates // chunks, **extra
+        ),
         progress=False,
         callback=lambda done, st: (jax.block_until_ready(st.server.params), stamps.append(time.perf_counter())),
-        **extra,
     )
     per_chunk = num_updates // chunks
     return (stamps[-1] - stamps[0]) / ((num_updates - per_chunk) * n_sync), stamps[-1] - start
@@ -304,12 +301,9 @@ def sweep_throughput(wl, updates: int, chunks: int, repeats: int) -> None:
             lambda h: asgd_jax.dc_asgd(LR, h["lam"], adaptive=True),
             wl["params"],
             wl["data"],
+            asgd_jax.Plan(batch_size=wl["batch_size"], num_updates=updates, chunk=updates // chunks),
             keys=keys,
             hparams=hp,
-            batch_size=wl["batch_size"],
-            num_updates=updates,
-            eval_every=updates // chunks,
-            eval_fn=lambda p, s: {},
             progress=False,
             callback=lambda done, st, stamps=stamps: (
                 jax.block_until_ready(st.server.params),
@@ -352,9 +346,7 @@ def memory_versus_workers(wl, worker_counts) -> None:
             rule,
             wl["params"],
             wl["data"],
-            delays=asgd_jax.delays.Workers(m),
-            batch_size=wl["batch_size"],
-            length=10,
+            asgd_jax.Plan(asgd_jax.delays.Workers(m), batch_size=wl["batch_size"], chunk=10),
         )
         state = lowered.args_info[0][0]  # the chunk's first argument: the whole simulator state
         state_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))

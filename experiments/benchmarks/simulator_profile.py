@@ -25,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulator_overhead as bench
@@ -43,21 +44,21 @@ def chunk_runner(wl, engine: str, length: int):
         return (lambda c: compiled(c, jax.random.key(0))), carry, compiled.as_text()
     delays, rule, extra = bench.ENGINES[engine]()
     key = jax.random.key(0)
+    plan = asgd_jax.Plan(delays, batch_size=wl["batch_size"], chunk=length, **extra)
     lowered = asgd_jax.simulator.lower(
         wl["loss"],
         rule,
         wl["params"],
         wl["data"],
-        delays=delays,
-        batch_size=wl["batch_size"],
-        length=length,
+        plan,
         key=key,
-        **extra,
     )
     compiled = lowered.compile()
-    state = asgd_jax.simulator.init(rule, wl["params"], delays=delays, key=key, n_sync=extra.get("n_sync", 1))
+    state = asgd_jax.simulator.init(rule, wl["params"], plan, key=key)
     data = jax.tree.map(jnp.asarray, wl["data"])
-    return (lambda s: compiled(s, data, key, {}, jnp.float32(0.0))[0]), state, compiled.as_text()
+    numbers = {"rule": asgd_jax.recipes.of(rule).numbers, "delays": asgd_jax.delays.split(delays)[1]}
+    numbers["local_lr"] = np.float32(0.0)
+    return (lambda s: compiled(s, data, None, key, {}, numbers, np.bool_(0))[0]), state, compiled.as_text()
 
 
 def profile(wl, engine: str, length: int, calls: int, top: int, hlo_dir: str | None) -> None:

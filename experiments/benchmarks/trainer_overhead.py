@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import asgd_jax
+from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 HIDDEN = 1024
@@ -60,7 +61,7 @@ def make_problem():
 def run(loss, params, data, devices, *, workers, steps, mode="async", slowdown=None, rule="dc_asgd_a", batch=BATCH):
     rule = asgd_jax.asgd(0.05) if rule == "asgd" else asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=workers)
     config = TrainConfig(
-        workers=workers, num_updates=steps, batch_size=batch, mode=mode, slowdown=slowdown or {}, seed=0, progress=False
+        Plan(workers, num_updates=steps, batch_size=batch, mode=mode), slowdown=slowdown or {}, seed=0, progress=False
     )
     result = train(loss, rule, params, data, config, devices=devices)
     assert result.pushes_applied == steps and not result.failures

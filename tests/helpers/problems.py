@@ -1,6 +1,8 @@
 """Small least-squares problems: one without noise (the trainer, store, life-cycle and Ray tests), one with noise
 and a random start (the simulator's tests), and the simulator run on it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,37 +32,36 @@ NOISY = _noisy()
 W1 = np.random.default_rng(1).normal(size=DIM).astype(np.float32)
 
 
+PLAN_FIELDS = {f.name for f in dataclasses.fields(asgd_jax.Plan)}
+
+
+def plan_and_options(delay_model, kwargs):
+    """``kwargs`` split into an ``asgd_jax.Plan`` (with ``delay_model``) and the call's other options."""
+    plan = asgd_jax.Plan(delay_model, **{k: v for k, v in kwargs.items() if k in PLAN_FIELDS})
+    return plan, {k: v for k, v in kwargs.items() if k not in PLAN_FIELDS}
+
+
+def train_config(workers: int, **kwargs) -> asgd_jax.TrainConfig:
+    """A ``TrainConfig`` of ``Plan(workers, <the plan fields of kwargs>)`` and the rest of ``kwargs``."""
+    plan = {k: v for k, v in kwargs.items() if k in PLAN_FIELDS}
+    return asgd_jax.TrainConfig(asgd_jax.Plan(workers, **plan), **{k: v for k, v in kwargs.items() if k not in plan})
+
+
 def simulate_lsq(rule, delay_model, num_updates=40, key=0, **kwargs):
-    """``asgd_jax.simulate`` on the noisy problem from ``W1``, batch ``B`` unless given, no progress bar."""
+    """``asgd_jax.simulate`` on the noisy problem from ``W1``, batch ``B`` unless given, no progress bar; ``kwargs``
+    are plan fields or options of ``simulate``."""
     kwargs.setdefault("progress", False)
-    return asgd_jax.simulate(
-        lsq_loss,
-        rule,
-        jnp.asarray(W1),
-        NOISY,
-        delays=delay_model,
-        batch_size=kwargs.pop("batch_size", B),
-        num_updates=num_updates,
-        key=jax.random.key(key),
-        **kwargs,
-    )
+    kwargs.setdefault("batch_size", B)
+    plan, options = plan_and_options(delay_model, {"num_updates": num_updates, **kwargs})
+    return asgd_jax.simulate(lsq_loss, rule, jnp.asarray(W1), NOISY, plan, key=jax.random.key(key), **options)
 
 
 def simulate_clean(rule, delay_model, num_updates, *, key=3, params=W0, batch_size=4, loss=lsq_loss, **kwargs):
     """``asgd_jax.simulate`` on the noiseless problem the trainer tests train (from ``W0``, batch 4 unless given),
     no progress bar: what a trainer run's trace must replay to. ``key``: an int seed or a key."""
-    return asgd_jax.simulate(
-        loss,
-        rule,
-        jnp.asarray(params),
-        DATA,
-        delays=delay_model,
-        batch_size=batch_size,
-        num_updates=num_updates,
-        key=jax.random.key(key) if isinstance(key, int) else key,
-        progress=False,
-        **kwargs,
-    )
+    plan, options = plan_and_options(delay_model, {"num_updates": num_updates, "batch_size": batch_size, **kwargs})
+    key = jax.random.key(key) if isinstance(key, int) else key
+    return asgd_jax.simulate(loss, rule, jnp.asarray(params), DATA, plan, key=key, progress=False, **options)
 
 
 class BatchOrder:

@@ -19,6 +19,7 @@ Expected:  (quick form, measured) every rule falls behind sequential SGD (18% te
 
 import dataclasses
 
+from asgd_jax.plan import Plan
 from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
 
 WORKERS = (4, 16, 32)
@@ -64,25 +65,12 @@ def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
     # Delayed Nesterov's grid is of the outer learning rate on the pushed deltas (1.0 adds their mean); the workers'
     # local steps use half the settings' learning rate.
     outer = tuple(Variant("Delayed Nesterov", rule="delayed_nesterov", lr=f) for f in DN_OUTER)
+    plan = Plan(s.cluster(m, **kwargs))
+    local_sgd = plan.replace(n_sync=4, push="delta", local_lr=0.5 * s.learning_rate)
     return [
-        Arm(c, workers=m, worker_kwargs=kwargs, variants=tuple(push)),
-        Arm(
-            c,
-            workers=m,
-            worker_kwargs=kwargs,
-            variants=outer,
-            n_sync=4,
-            push="delta",
-            local_lr=0.5 * s.learning_rate,
-            rule_options={"buffer_size": m},
-        ),
-        Arm(
-            c,
-            workers=m,
-            worker_kwargs=kwargs,
-            mode="sync",
-            variants=tuple(Variant("SSGD", lr=lr) for lr in _lrs(s, 2.0)),
-        ),
+        Arm(c, plan, variants=tuple(push)),
+        Arm(c, local_sgd, variants=outer, rule_options={"buffer_size": m}),
+        Arm(c, plan.replace(mode="sync"), variants=tuple(Variant("SSGD", lr=lr) for lr in _lrs(s, 2.0))),
     ]
 
 
@@ -90,7 +78,7 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     out = [
         Arm(
             {"M": "—", "cluster": "—"},
-            workers=1,
+            Plan(s.cluster(1)),
             variants=tuple(Variant("SGD (1 worker)", rule="sgd", lr=lr) for lr in _lrs(s, 2.0)),
             for_every={"M": s.workers, "cluster": tuple(clusters(1))},
         )

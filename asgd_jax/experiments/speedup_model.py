@@ -9,6 +9,7 @@ Expected:  speed-up grows with clients but sub-linearly (staleness costs progres
            communication is expensive; SSGD waits for the slowest worker every step and falls behind ASGD.
 """
 
+from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Variant
 
 COMM_TIME = 1.0
@@ -23,11 +24,8 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
             out.append(
                 Arm(
                     {"clients": m, "n_sync": n_sync},
-                    workers=m,
-                    n_sync=n_sync,
-                    push="delta",
+                    Plan(s.cluster(m, comm_time=COMM_TIME), n_sync=n_sync, push="delta", local_lr=s.learning_rate),
                     server_lr=1.0,
-                    worker_kwargs={"comm_time": COMM_TIME},
                     variants=(Variant("ASGD"),),
                     series=f"ASGD, n_sync={n_sync}",
                 )
@@ -37,9 +35,7 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
             out.append(
                 Arm(
                     {"clients": m},
-                    workers=m,
-                    mode=mode,
-                    worker_kwargs={"comm_time": COMM_TIME, **STRAGGLERS},
+                    Plan(s.cluster(m, comm_time=COMM_TIME, **STRAGGLERS), mode=mode),
                     variants=(Variant("SSGD" if mode == "sync" else "ASGD"),),
                     series="{label}, stragglers",
                 )

@@ -17,6 +17,7 @@ Expected:  staleness is M x n_sync minibatches, and past a point training destab
            start helps most where a cold start with many clients struggles early on.
 """
 
+from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Variant
 
 COMM_TIME = 2.0
@@ -32,12 +33,9 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
                 out.append(
                     Arm(
                         {"clients": m, "n_sync": n_sync, "start": start},
-                        workers=m,
-                        n_sync=n_sync,
-                        push="delta",
+                        Plan(s.cluster(m, comm_time=COMM_TIME), n_sync=n_sync, push="delta", local_lr=s.learning_rate),
                         server_lr=1.0,
                         warm=start == "warm",
-                        worker_kwargs={"comm_time": COMM_TIME},
                         variants=(Variant("A-SGD"),),
                         series=f"{start}, n_sync={n_sync}",
                     )

@@ -7,6 +7,8 @@ Expected:  ASGD degrades as M (and the mean staleness, about M - 1) grows; DC-AS
            staleness-aware rule is robust but slow (its step shrinks with tau); delay-adaptive sits in between.
 """
 
+from asgd_jax.delays import FixedDelay
+from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Variant
 
 DC = (Variant("ASGD"), Variant("DC-ASGD-a", lam=2.0, adaptive=True))
@@ -17,11 +19,12 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     taus = (0, 4, 16) if quick else (0, 1, 2, 4, 8, 16, 32)
     out = []
     for m in workers:
-        out.append(Arm({"M": m}, workers=m, variants=DC))
-        out.append(Arm({"M": m}, workers=m, variants=(Variant("staleness-aware", rule="staleness_aware"),)))
-        out.append(Arm({"M": m}, workers=m, variants=(Variant("delay-adaptive", rule="delay_adaptive"),)))
+        plan = Plan(s.cluster(m))
+        out.append(Arm({"M": m}, plan, variants=DC))
+        out.append(Arm({"M": m}, plan, variants=(Variant("staleness-aware", rule="staleness_aware"),)))
+        out.append(Arm({"M": m}, plan, variants=(Variant("delay-adaptive", rule="delay_adaptive"),)))
     for tau in taus:  # the same rules under a deterministic delay (M = tau + 1 round-robin workers)
-        out.append(Arm({"M": tau + 1, "tau": tau}, tau=tau, variants=DC, series="{label}, fixed delay"))
+        out.append(Arm({"M": tau + 1, "tau": tau}, Plan(FixedDelay(tau)), variants=DC, series="{label}, fixed delay"))
     return out
 
 

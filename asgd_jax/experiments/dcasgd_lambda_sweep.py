@@ -7,6 +7,7 @@ Expected:  lambda = 0 is ASGD; a moderate lambda (the paper: 0.5-2 for -a) helps
            and hurts, too small makes the correction vanish.
 """
 
+from asgd_jax.plan import Plan
 from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
 
 LAMBDA_A = (0.0, 0.5, 1.0, 2.0, 4.0)
@@ -16,7 +17,7 @@ LAMBDA_C = (0.0, 0.01, 0.04, 0.1, 0.4)
 def arms(s: Settings, quick: bool) -> list[Arm]:
     variants = tuple(Variant("DC-ASGD-a", lam=x, adaptive=True, coords={"lambda": x}) for x in LAMBDA_A)
     variants += tuple(Variant("DC-ASGD-c", lam=x, coords={"lambda": x}) for x in LAMBDA_C)
-    return [Arm({"M": 8}, workers=8, variants=variants)]
+    return [Arm({"M": 8}, Plan(s.cluster(8)), variants=variants)]
 
 
 STUDY = Study(

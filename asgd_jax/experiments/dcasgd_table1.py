@@ -9,6 +9,7 @@ Expected:  staleness costs ASGD accuracy as M grows; DC-ASGD-a recovers most of 
            at M = 8, sequential SGD 8.65%); SSGD pays for its M-times-larger effective batch at a fixed epoch budget.
 """
 
+from asgd_jax.plan import Plan
 from asgd_jax.studies import ALGORITHMS, DCASGD_CIFAR10, Arm, Settings, Study, Variant
 
 
@@ -27,13 +28,13 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     for m in s.workers:
         if m == 1:
             if "sgd" in s.algorithms:
-                out.append(Arm({"M": 1}, workers=1, variants=(_variant("sgd", s),)))
+                out.append(Arm({"M": 1}, Plan(s.cluster(1)), variants=(_variant("sgd", s),)))
             continue
         asynchronous = tuple(_variant(a, s) for a in ("asgd", "dc_asgd_c", "dc_asgd_a") if a in s.algorithms)
         if asynchronous:
-            out.append(Arm({"M": m}, workers=m, variants=asynchronous))
+            out.append(Arm({"M": m}, Plan(s.cluster(m)), variants=asynchronous))
         if "ssgd" in s.algorithms:
-            out.append(Arm({"M": m}, workers=m, mode="sync", variants=(_variant("ssgd", s),)))
+            out.append(Arm({"M": m}, Plan(s.cluster(m), mode="sync"), variants=(_variant("ssgd", s),)))
     return out
 
 

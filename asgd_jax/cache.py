@@ -1,0 +1,68 @@
+"""Compiled programs kept across processes: JAX's persistent compilation cache, on for the command line and studies.
+
+Within a process the simulator compiles each program once per structure (see :mod:`asgd_jax.simulator`). Across
+processes, JAX can keep the compiled executables on disk; :func:`enable` turns that on in a user cache folder (never
+inside the repository), so a second ``make demo``, ``asgd-jax run <study>`` or ``make test`` loads its programs instead
+of compiling them. ``asgd-jax`` and :func:`asgd_jax.studies.run` call it; in a notebook, call it yourself before the
+first computation (it also works later: JAX's cache is reset to the new folder).
+
+Where: ``$ASGD_JAX_CACHE_DIR`` if set (``off`` disables the cache), else a ``JAX_COMPILATION_CACHE_DIR`` you set for
+JAX yourself, else ``$XDG_CACHE_HOME/asgd_jax/xla`` (``~/.cache/asgd_jax/xla``). Delete the folder to clear it; JAX
+keys each entry on the program, the JAX version and the device, so a stale entry is never used.
+
+Example:
+  >>> import asgd_jax
+  >>> asgd_jax.cache.folder({"ASGD_JAX_CACHE_DIR": "off"}) is None
+  True
+  >>> asgd_jax.cache.folder({"XDG_CACHE_HOME": "/tmp/c"})
+  '/tmp/c/asgd_jax/xla'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["ENV", "enable", "folder"]
+
+ENV = "ASGD_JAX_CACHE_DIR"
+OFF = ("off", "0", "false", "no", "")
+
+
+def folder(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where the cache lives under ``environ`` (default: this process's environment), or ``None`` when it is off."""
+    environ = os.environ if environ is None else environ
+    if ENV in environ:
+        value = environ[ENV].strip()
+        return None if value.lower() in OFF else os.path.abspath(os.path.expanduser(value))
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.path.abspath(os.path.expanduser(environ["JAX_COMPILATION_CACHE_DIR"]))
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "asgd_jax", "xla")
+
+
+def enable(path: str | os.PathLike | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache in ``path`` (default: :func:`folder`) for every program, however
+    quickly it compiles (the simulator's small programs add up). Returns the folder, or ``None`` when the cache is
+    off (``ASGD_JAX_CACHE_DIR=off``) or the folder cannot be made."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if path is not None:
+        where = os.path.abspath(os.fspath(path))
+    elif os.environ.get(ENV) is None and jax.config.jax_compilation_cache_dir:
+        where = jax.config.jax_compilation_cache_dir  # one the program set for JAX itself
+    else:
+        where = folder()
+    if where is None:
+        return None
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError:
+        return None
+    if jax.config.jax_compilation_cache_dir != where:
+        jax.config.update("jax_compilation_cache_dir", where)
+        compilation_cache.reset_cache()  # a cache JAX already set up (or decided against) starts again here
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return where

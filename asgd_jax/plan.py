@@ -1,0 +1,188 @@
+"""A run's static description as one value: :class:`Plan`.
+
+A plan says how a run is laid out, never what it computes with: the delay model (who pushes when), the exchange
+pattern (SSGD or not, ``n_sync`` minibatches per exchange, the push mode, the batch), the budget and the cadence of
+evaluations, checkpoints and compiled chunks. The simulator (:func:`asgd_jax.simulate`, :func:`asgd_jax.sweep`,
+:func:`asgd_jax.simulator.lower`), the trainer (:class:`asgd_jax.TrainConfig` holds one) and the studies (an
+:class:`asgd_jax.studies.Arm` holds one) read the same value, and each setting is checked here, once, when the plan
+is made.
+
+A plan's *structure* (:meth:`Plan.structure`: the delay model's kind and worker count, the exchange pattern, the chunk
+length) keys the compiled programs; its numbers (the delay model's speeds and times, ``local_lr``) and its budget are
+arguments, so a plan that changes only those compiles nothing new.
+
+Example:
+  >>> import asgd_jax
+  >>> plan = asgd_jax.Plan(asgd_jax.delays.Workers(8), num_updates=2_000, batch_size=64)
+  >>> plan.workers, plan.chunk_length
+  (8, 100)
+  >>> plan.replace(num_updates=5_000).structure() == plan.structure()
+  True
+  >>> asgd_jax.Plan(n_sync=4)  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  asgd_jax.errors.ConfigError: n_sync=4 (--n-sync) with push='gradients' takes local SGD steps ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from asgd_jax import delays as delays_lib
+from asgd_jax import errors
+
+__all__ = ["DEFAULT_CHUNK", "MODES", "PUSHES", "Plan", "PlanStructure"]
+
+MODES = ("async", "sync")
+PUSHES = ("gradients", "delta", "accumulate")
+
+DEFAULT_CHUNK = 100
+"""Updates per compiled chunk when neither ``chunk`` nor ``eval_every`` says: independent of the budget, so runs of
+any length share the chunk's program (a run shorter than a chunk, or its last part, runs in a second program that
+takes any length up to the chunk's)."""
+
+
+class PlanStructure(NamedTuple):
+    """What of a plan shapes the compiled programs (hashable): the delay model's :class:`~asgd_jax.delays.Structure`,
+    the exchange pattern and the chunk length."""
+
+    delays: delays_lib.Structure
+    mode: str
+    n_sync: int
+    push: str
+    batch_size: int
+    chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static description of a run, validated when made.
+
+    Attributes:
+      delays: the delay model (:mod:`asgd_jax.delays`), or an int M for ``Workers(M)``; default ``Workers(8)``. The
+        trainer takes its worker count from it (its real delays are measured, not drawn).
+      num_updates: server updates (applied pushes) of the run; a learning-rate schedule counts these.
+      batch_size: minibatch of every worker.
+      mode: ``"async"`` (A-SGD; default) or ``"sync"`` (SSGD: every update averages the M workers' payloads,
+        computed at the same weights; needs ``Workers``).
+      n_sync: minibatches a worker computes between two exchanges (GPU A-SGD).
+      push: what a worker pushes after its ``n_sync`` minibatches: ``"gradients"`` (local SGD steps at ``local_lr``,
+        push the summed gradients), ``"delta"`` (local steps, push ``w_pulled - w_local``, which the rule treats like a
+        gradient: a server learning rate of 1 adds the delta) or ``"accumulate"`` (sum the gradients at the pulled
+        weights, no local steps).
+      local_lr: the step size of the local steps (needed for ``push="delta"``, and with ``n_sync > 1`` unless
+        ``push="accumulate"``).
+      eval_every: updates between evaluations (with an ``eval_fn``); default: about twenty evaluations per run, at
+        chunk ends.
+      checkpoint_every: updates between checkpoints (simulator: at the first chunk end past each multiple; trainer:
+        default a tenth of the run).
+      chunk: updates per compiled chunk of the simulator (its progress, evaluation and checkpoint unit); default
+        ``eval_every``, else :data:`DEFAULT_CHUNK`. ``eval_every`` must be a multiple of it.
+
+    Example:
+      >>> import asgd_jax
+      >>> plan = asgd_jax.Plan(4, mode="sync")
+      >>> plan.delays.num, plan.delays.compute_time
+      (4, 'exponential')
+    """
+
+    delays: Any = None
+    num_updates: int = 2_000
+    batch_size: int = 32
+    mode: str = "async"
+    n_sync: int = 1
+    push: str = "gradients"
+    local_lr: float | None = None
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self):
+        model = delays_lib.Workers(8) if self.delays is None else self.delays
+        if errors.is_int(model):
+            model = delays_lib.Workers(errors.positive_int("workers", model, "--workers"))
+        errors.require(
+            delays_lib.is_delay_model(model),
+            "delays",
+            model,
+            "use a delay model (asgd_jax.delays.Workers, Trace, FixedDelay, RandomDelay) or an int M for Workers(M)",
+        )
+        object.__setattr__(self, "delays", model)
+        errors.positive_int("num_updates", self.num_updates, "--num-updates")
+        errors.positive_int("batch_size", self.batch_size, "--batch-size")
+        errors.choice("mode", self.mode, MODES, "--mode")
+        errors.positive_int("n_sync", self.n_sync, "--n-sync")
+        errors.choice("push", self.push, PUSHES, "--push")
+        for name in ("eval_every", "checkpoint_every", "chunk"):
+            if getattr(self, name) is not None:
+                errors.positive_int(name, getattr(self, name), "--" + name.replace("_", "-"))
+        if self.local_lr is not None:
+            object.__setattr__(
+                self, "local_lr", errors.finite_number("local_lr", self.local_lr, positive=True, flag="--local-lr")
+            )
+        self._check_exchange()
+        if self.chunk is not None and self.eval_every is not None and self.eval_every % self.chunk:
+            raise errors.ConfigError(
+                f"eval_every={self.eval_every} is not a multiple of chunk={self.chunk}: evaluations happen at chunk "
+                "ends; use a multiple, or leave chunk unset (it then follows eval_every)."
+            )
+
+    def _check_exchange(self) -> None:
+        local_steps = self.push == "delta" or (self.n_sync > 1 and self.push != "accumulate")
+        if local_steps and self.local_lr is None:
+            what = (
+                "pushes w_pulled - w_local after local SGD steps"
+                if self.push == "delta"
+                else "takes local SGD steps between exchanges"
+            )
+            raise errors.ConfigError(
+                f"n_sync={self.n_sync} (--n-sync) with push={self.push!r} {what}: pass local_lr=<float> (--local-lr), "
+                "or use push='accumulate' (no local steps)."
+            )
+        if self.mode == "sync" and not isinstance(self.delays, delays_lib.Workers):
+            raise errors.ConfigError(
+                f"mode='sync' (SSGD) needs delays=asgd_jax.delays.Workers(M), not {type(self.delays).__name__}: a "
+                "barrier round averages the M workers' gradients."
+            )
+        if isinstance(self.delays, delays_lib.Trace) and len(self.delays) < self.num_updates:
+            raise errors.ConfigError(
+                f"num_updates={self.num_updates} but the trace holds only {len(self.delays)} pushes: lower "
+                "num_updates or give a longer trace."
+            )
+
+    def replace(self, **changes: Any) -> Plan:
+        """A validated copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def workers(self) -> int:
+        """The number of workers (the delay model's slots: M, or ``tau + 1`` round-robin slots for a fixed delay)."""
+        return self.delays.num_slots
+
+    @property
+    def chunk_length(self) -> int:
+        """Updates per compiled chunk: ``chunk``, else ``eval_every``, else :data:`DEFAULT_CHUNK`."""
+        return self.chunk or self.eval_every or DEFAULT_CHUNK
+
+    @property
+    def local_steps(self) -> bool:
+        """Whether a worker takes local SGD steps between its exchanges."""
+        return self.push == "delta" or (self.n_sync > 1 and self.push != "accumulate")
+
+    def eval_interval(self) -> int:
+        """Updates between evaluations: ``eval_every``, else about a twentieth of the run, rounded to whole chunks."""
+        if self.eval_every is not None:
+            return self.eval_every
+        chunk = self.chunk_length
+        return chunk * max(1, round(self.num_updates / 20 / chunk))
+
+    def structure(self) -> PlanStructure:
+        """What of this plan shapes a compiled program (see :class:`PlanStructure`)."""
+        structure, _ = delays_lib.split(self.delays)
+        return PlanStructure(structure, self.mode, self.n_sync, self.push, self.batch_size, self.chunk_length)
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain values (for a checkpoint header, ``summary.json``, a study's results)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "delays"}
+        return {"delays": repr(self.delays), "workers": self.workers, **out}

@@ -1,0 +1,205 @@
+"""How a rule was built, so that a compiled program can take its numbers as arguments.
+
+An optax rule is a pair of closures: its learning rate and other numbers are baked into them. A program compiled for
+``dc_asgd(0.1, lam=2.0)`` would be compiled again for ``dc_asgd(0.2, lam=2.0)``, and its numbers would be constants of
+the program. Every rule factory of :mod:`asgd_jax.rules` is therefore a *recipe*: the rule it returns remembers the
+factory and the arguments it was called with (:func:`of`). The simulator keys its programs on the recipe's
+:attr:`Recipe.structure` (the factory and every argument that shapes the program) and passes :attr:`Recipe.numbers`
+as arguments, rebuilding the rule inside the program with :meth:`Recipe.build`: every rule from one factory with the
+same structure and other numbers shares one compiled program.
+
+What is structure and what is a number: floats and arrays are numbers; ``None``, bools, strings, ints and callables
+(an optax schedule, by identity) are structure, except the arguments a factory declares numbers (the learning rate,
+always). A rule among the arguments (:func:`asgd_jax.rules.one_of`'s choices) or a learning-rate schedule of
+:mod:`asgd_jax.schedules` contributes its own recipe.
+
+Decorate your own factory with :func:`recipe` to give its rules the same treatment.
+
+Example:
+  >>> import asgd_jax
+  >>> a, b = asgd_jax.dc_asgd(0.1, lam=2.0), asgd_jax.dc_asgd(0.3, lam=0.5)
+  >>> asgd_jax.recipes.of(a).structure == asgd_jax.recipes.of(b).structure
+  True
+  >>> sorted(asgd_jax.recipes.of(a).numbers)
+  ['lam', 'learning_rate']
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from asgd_jax.errors import ConfigError
+
+__all__ = ["Recipe", "of", "recipe"]
+
+# A rule's update function -> the recipe that built it. Keyed weakly: a rule that is gone takes its entry with it.
+_RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _NotARecipe(Exception):
+    """An argument that can be neither a number nor structure (a traced value, an unhashable object)."""
+
+
+class Recipe(NamedTuple):
+    """How a rule was built.
+
+    Attributes:
+      structure: hashable: the factory and every structural argument (what a compiled program depends on).
+      numbers: the numeric arguments as given (Python numbers, NumPy or JAX arrays), by name (nested for a rule or
+        schedule among the arguments): what a compiled program takes as arguments.
+    """
+
+    structure: Hashable
+    numbers: dict[str, Any]
+
+    def build(self, numbers: dict[str, Any] | None = None) -> Any:
+        """The rule again, with ``numbers`` (by default its own; traced ones inside a program)."""
+        return _build(self.structure, self.numbers if numbers is None else numbers)
+
+    def vary(self, names: list[str]) -> Recipe:
+        """This recipe with the arguments ``names`` as numbers (a sweep varies them per run), at their values here or
+        the factory's defaults. A name that is not an argument of the factory, or one that shapes the program (an
+        int such as a worker count), raises a ``ConfigError``."""
+        factory, arguments = self.structure
+        parameters = inspect.signature(factory).parameters
+        given, numbers = dict(arguments), dict(self.numbers)
+        for name in names:
+            if name in numbers:
+                continue
+            if name not in parameters or parameters[name].kind in (
+                inspect.Parameter.VAR_POSITIONAL,
+                inspect.Parameter.VAR_KEYWORD,
+            ):
+                raise ConfigError(
+                    f"hparams[{name!r}] is not an argument of {factory.__name__}: it takes "
+                    f"{', '.join(p for p in parameters if p not in ('args', 'kwargs'))}."
+                )
+            value = given[name][1] if name in given else parameters[name].default
+            if value is inspect.Parameter.empty or (
+                isinstance(value, int | np.integer) and not isinstance(value, bool)
+            ):
+                raise ConfigError(
+                    f"hparams[{name!r}] cannot vary inside one program: {factory.__name__}'s {name} shapes it (give it "
+                    "as an argument, and one sweep per value)."
+                )
+            given[name], numbers[name] = ("number",), value
+        return Recipe((factory, tuple(given.items())), numbers)
+
+
+def _target(made: Any) -> Any:
+    """What a recipe is filed under: a rule's update function, or a schedule itself."""
+    return made.update if _is_rule(made) else made
+
+
+def of(made: Any) -> Recipe | None:
+    """The recipe that built ``made`` (a rule, or a schedule of :mod:`asgd_jax.schedules`), or ``None`` (a rule
+    composed by hand, e.g. with ``optax.chain``; an optax schedule)."""
+    try:
+        return _RECIPES.get(_target(made))
+    except TypeError:  # not weakly referenceable: not one of ours
+        return None
+
+
+def recipe(
+    factory: Callable | None = None, *, numbers: tuple[str, ...] = ("learning_rate",), static: tuple[str, ...] = ()
+) -> Callable:
+    """Decorates a rule (or schedule) factory so that what it returns carries its :class:`Recipe`.
+
+    Args:
+      factory: ``factory(*args, **kwargs) -> rule`` (an optax transform or a :class:`asgd_jax.rules.PullRule`), or
+        ``-> schedule`` (a function of the update count).
+      numbers: arguments that are numbers even when given as ints (the learning rate); other ints are structure.
+      static: arguments that are structure even when given as arrays (a concrete choice the program should fold,
+        such as :func:`asgd_jax.rules.one_of`'s index).
+
+    Example:
+      >>> import optax, asgd_jax
+      >>> @asgd_jax.recipes.recipe
+      ... def my_sgd(learning_rate, decay=0.5):
+      ...     return optax.chain(optax.scale(decay), optax.sgd(learning_rate))
+      >>> asgd_jax.recipes.of(my_sgd(0.1)).build().update is not None
+      True
+    """
+    if factory is None:
+        return functools.partial(recipe, numbers=numbers, static=static)
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        made = factory(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+            parts = [
+                (name, _fixed(value) if name in static else _split(value, name in numbers))
+                for name, value in bound.arguments.items()
+            ]
+            structure = (factory, tuple((name, s) for name, (s, _) in parts))
+            _RECIPES[_target(made)] = Recipe(structure, {name: n for name, (_, n) in parts if n is not None})
+        except (_NotARecipe, TypeError):  # built inside a trace, or of parts we cannot key: an ordinary rule
+            pass
+        return made
+
+    make.is_recipe = True
+    return make
+
+
+def _is_rule(value: Any) -> bool:
+    return callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
+
+
+def _is_number(value: Any, int_is_number: bool) -> bool:
+    if isinstance(value, bool | np.bool_):
+        return False
+    if isinstance(value, float | np.floating):
+        return True
+    if isinstance(value, int | np.integer):
+        return int_is_number
+    return isinstance(value, np.ndarray | jax.Array)
+
+
+def _fixed(value: Any) -> tuple[Hashable, None]:
+    """A concrete scalar kept as structure (its value keys the program)."""
+    if isinstance(value, jax.core.Tracer):
+        raise _NotARecipe
+    return ("value", np.asarray(value).item() if np.ndim(value) == 0 else value), None
+
+
+def _split(value: Any, int_is_number: bool = False) -> tuple[Hashable, Any]:
+    """``(structure, numbers)`` of one argument (``numbers`` is ``None`` when it has none)."""
+    if isinstance(value, jax.core.Tracer):
+        raise _NotARecipe
+    if _is_number(value, int_is_number):
+        return ("number",), value  # as given (on the host): a Python float reaches a program weakly typed, as a literal
+    if _is_rule(value) or callable(value):  # a rule among the arguments, or a schedule
+        inner = of(value)
+        return (("made", inner.structure), inner.numbers) if inner is not None else (("value", value), None)
+    if isinstance(value, list | tuple):
+        parts = [_split(v, int_is_number) for v in value]
+        nums = [n for _, n in parts]
+        return ("seq", type(value), tuple(s for s, _ in parts)), (nums if any(n is not None for n in nums) else None)
+    hash(value)  # a TypeError for what cannot key a program
+    return ("value", value), None
+
+
+def _join(structure: Hashable, numbers: Any) -> Any:
+    kind = structure[0]
+    if kind == "value":
+        return structure[1]
+    if kind == "number":
+        return numbers
+    if kind == "made":
+        return _build(structure[1], numbers)
+    nums = numbers if numbers is not None else [None] * len(structure[2])
+    return structure[1](_join(s, n) for s, n in zip(structure[2], nums, strict=True))
+
+
+def _build(structure: Hashable, numbers: dict[str, Any]) -> Any:
+    factory, arguments = structure
+    return factory(**{name: _join(s, numbers.get(name)) for name, s in arguments})

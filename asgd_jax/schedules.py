@@ -1,0 +1,62 @@
+"""Learning-rate schedules whose numbers are arguments of a compiled program.
+
+A schedule is a function of the update count, as in optax. An optax schedule is a closure: a rule built with one is
+keyed by the schedule's identity, so every new schedule object compiles the simulator again. The schedules here are
+:mod:`asgd_jax.recipes`: their values and boundaries are numbers, so ``dc_asgd(schedules.piecewise(0.5, (80, 120)))``
+and the same with other numbers share one program. Each computes exactly what its optax namesake computes.
+
+Example:
+  >>> from asgd_jax import schedules
+  >>> lr = schedules.piecewise(0.5, (80, 120), 0.1)
+  >>> [round(float(lr(t)), 4) for t in (79, 80, 120)]
+  [0.5, 0.05, 0.005]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from asgd_jax import errors
+from asgd_jax.recipes import recipe
+
+__all__ = ["constant", "piecewise"]
+
+Number = float | jax.Array
+
+
+@recipe(numbers=("value",))
+def constant(value: Number) -> Callable[[jax.Array], jax.Array]:
+    """``value`` at every update (``optax.constant_schedule``)."""
+    return lambda count: value
+
+
+@recipe(numbers=("init_value", "boundaries", "factor"))
+def piecewise(init_value: Number, boundaries: Sequence[Number], factor: Number = 0.1) -> Callable:
+    r"""``init_value``, multiplied by ``factor`` at each of ``boundaries`` (update counts, increasing): DC-ASGD's
+    step decay. The same arithmetic as ``optax.piecewise_constant_schedule(init_value, {b: factor for b in
+    boundaries})``, so the same bits, with the boundaries numbers rather than part of the program.
+
+    Example:
+      >>> from asgd_jax import schedules
+      >>> [float(schedules.piecewise(1.0, (2,), 0.5)(t)) for t in range(4)]
+      [1.0, 1.0, 0.5, 0.5]
+    """
+    concrete = [b for b in boundaries if not isinstance(b, jax.core.Tracer)]
+    errors.require(
+        all(errors.is_int(b) or float(b) == int(b) for b in concrete) and concrete == sorted(concrete),
+        "boundaries",
+        list(boundaries),
+        "give increasing update counts",
+    )
+
+    def schedule(count):
+        v = init_value
+        for threshold in boundaries:
+            indicator = jnp.maximum(0.0, jnp.sign(threshold - count))
+            v = v * indicator + (1 - indicator) * factor * v
+        return v
+
+    return schedule

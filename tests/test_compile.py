@@ -1,0 +1,187 @@
+"""A run is one value, compiled once: counted compilations over notebook-style loops, numbers as arguments, and what
+"the same bits" covers."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers.problems import NOISY as DATA
+from helpers.problems import W1 as W0
+from helpers.problems import B, lsq_loss
+
+import asgd_jax
+from asgd_jax import delays, rules
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compilations():
+    """Counts the programs XLA compiles inside the block, by name (``simulator_chunk``, ...)."""
+    counts: collections.Counter = collections.Counter()
+
+    def listen(event, duration, **kwargs):
+        if event == COMPILE:
+            counts[kwargs.get("fun_name", "?").removeprefix("jit(").removesuffix(")")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def _simulator(counts) -> dict[str, int]:
+    return {k: v for k, v in counts.items() if k.startswith("simulator_")}
+
+
+def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
+    """The learning rate, lambda, the seed, the budget, the workers' speeds and the initial weights change from call to
+    call: every one is an argument of the same programs."""
+    asgd_jax.simulator.clear_cache()
+    eval_fn = lambda w, _: {"loss": lsq_loss(w, DATA)}
+    even = (1.0, 1.0, 1.0, 1.0)
+    calls = [
+        (0.05, 2.0, 0, 200, even, W0),
+        (0.10, 2.0, 0, 200, even, W0),
+        (0.05, 0.5, 0, 200, even, W0),
+        (0.05, 2.0, 1, 200, even, W0),
+        (0.05, 2.0, 2, 300, even, W0),
+        (0.05, 2.0, 0, 250, even, W0),  # 250 = 5 chunks of 50: the same chunk; 230 needs a shorter last part
+        (0.05, 2.0, 0, 230, even, W0),
+        (0.05, 2.0, 0, 210, (1.0, 0.5, 0.25, 1.0), W0),  # 10 more: the shorter part's program takes any length
+        (0.02, 1.0, 3, 200, (2.0, 1.0, 1.0, 1.0), W0),
+        (0.05, 2.0, 0, 200, even, 2 * W0),
+    ]
+    finals = []
+    with compilations() as counts:
+        for lr, lam, seed, budget, speeds, w0 in calls:
+            speeds = np.asarray(speeds, np.float32)
+            plan = asgd_jax.Plan(delays.Workers(4, speeds=speeds), batch_size=B, num_updates=budget, eval_every=50)
+            rule = asgd_jax.dc_asgd(lr, lam, adaptive=True)
+            result = asgd_jax.simulate(
+                lsq_loss, rule, jnp.asarray(w0), DATA, plan, key=jax.random.key(seed), eval_fn=eval_fn, progress=False
+            )
+            finals.append(np.asarray(result.params))
+    assert _simulator(counts) == {"simulator_start": 1, "simulator_chunk": 1, "simulator_tail": 1}, counts
+    assert len({f.tobytes() for f in finals}) == len(calls)  # every call's numbers reached its run
+
+
+def test_rules_built_by_name_with_other_numbers_share_one_program():
+    plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
+    for name in rules.names():
+        hp = {k: 3 for k in rules.required(name)}
+        first, second = rules.get(name, 0.05, **hp), rules.get(name, 0.01, **hp)
+        with compilations() as counts:
+            a = asgd_jax.simulate(lsq_loss, first, jnp.asarray(W0), DATA, plan, progress=False)
+            b = asgd_jax.simulate(lsq_loss, second, jnp.asarray(W0), DATA, plan, progress=False)
+        assert _simulator(counts).get("simulator_chunk", 0) <= 1, (name, counts)
+        assert not np.array_equal(a.params, b.params), name
+
+
+def test_a_rule_of_ones_own_compiles_once_per_object_and_a_new_object_each_call_is_named():
+    plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
+    make = lambda: optax.sgd(0.05)  # an optax rule: a closure, keyed by its identity
+    mine = make()
+    with compilations() as counts, warnings.catch_warnings():
+        warnings.simplefilter("error", asgd_jax.simulator.RecompileWarning)
+        for _ in range(3):
+            asgd_jax.simulate(lsq_loss, mine, jnp.asarray(W0), DATA, plan, progress=False)
+    assert _simulator(counts)["simulator_chunk"] == 1
+    with pytest.warns(asgd_jax.simulator.RecompileWarning, match="the rule is a new object with the same code"):
+        asgd_jax.simulate(lsq_loss, make(), jnp.asarray(W0), DATA, plan, progress=False)
+    with warnings.catch_warnings():  # said once: a loop that makes its rule anew is not told on every call
+        warnings.simplefilter("error", asgd_jax.simulator.RecompileWarning)
+        asgd_jax.simulate(lsq_loss, make(), jnp.asarray(W0), DATA, plan, progress=False)
+
+
+def test_a_sweep_with_other_numbers_or_delays_compiles_nothing_new():
+    plan = asgd_jax.Plan(delays.Workers(3, straggler_prob=0.1), batch_size=B, num_updates=40, chunk=20)
+    keys, hp = asgd_jax.grid(seeds=[0, 1], learning_rate=[0.05, 0.02], lam=[0.0, 1.0])
+    with compilations() as counts:
+        for p in (0.1, 0.3):
+            for budget in (40, 60):
+                asgd_jax.sweep(
+                    lsq_loss,
+                    asgd_jax.dc_asgd(0.1, 0.5),
+                    jnp.asarray(W0),
+                    DATA,
+                    plan.replace(num_updates=budget, delays=delays.Workers(3, straggler_prob=p)),
+                    keys=keys,
+                    hparams=hp,
+                    progress=False,
+                )
+    assert _simulator(counts) == {"simulator_start": 1, "simulator_chunk": 1}, counts
+
+
+def test_the_initial_weights_and_the_rules_numbers_are_arguments_not_constants():
+    big = jnp.linspace(-1.0, 1.0, 4)  # values a constant would spell out
+    plan = asgd_jax.Plan(delays.Workers(2), batch_size=B, chunk=10)
+    lowered = asgd_jax.simulator.lower(lsq_loss, asgd_jax.dc_asgd(0.0123, 0.0456), big, DATA, plan)
+    text = lowered.as_text()
+    assert "0.0123" not in text and "0.0456" not in text and "1.230000e-02" not in text
+    args = jax.tree.leaves(lowered.args_info)
+    assert sum(np.size(a.shape) and int(np.prod(a.shape)) == 4 for a in args) >= 1  # the weights come in
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The same bits: what is covered.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _sweep(seeds, budget=60):
+    keys, hp = asgd_jax.grid(seeds=seeds, learning_rate=[0.05])
+    plan = asgd_jax.Plan(delays.Workers(4), batch_size=B, num_updates=budget)
+    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+    return asgd_jax.sweep(lsq_loss, rule, jnp.asarray(W0), DATA, plan, keys=keys, hparams=hp, progress=False)
+
+
+def test_a_sweeps_row_does_not_depend_on_the_other_runs_or_their_number():
+    two, five = _sweep([3, 4]), _sweep([0, 1, 2, 3, 4])
+    for name in two.metrics:
+        np.testing.assert_array_equal(two.metrics[name], five.metrics[name][3:], err_msg=name)
+    np.testing.assert_array_equal(two.params, five.params[3:])
+
+
+def test_a_run_alone_agrees_with_its_row_in_a_sweep_to_float_rounding():
+    plan = asgd_jax.Plan(delays.Workers(4), batch_size=B, num_updates=60)
+    alone = asgd_jax.simulate(
+        lsq_loss, asgd_jax.dc_asgd(0.05, 2.0, adaptive=True), jnp.asarray(W0), DATA, plan, key=jax.random.key(3)
+    )
+    row = _sweep([3, 4])
+    np.testing.assert_array_equal(alone.metrics["worker"], row.metrics["worker"][0])  # the same schedule, exactly
+    np.testing.assert_allclose(alone.params, row.params[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [7, 60, 100])
+def test_the_last_shorter_chunk_is_bit_for_bit_the_same_updates(chunk):
+    plan = asgd_jax.Plan(delays.Workers(3, straggler_prob=0.2), batch_size=B, num_updates=60)
+    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True)
+    run = lambda p: asgd_jax.simulate(lsq_loss, rule, jnp.asarray(W0), DATA, p, key=jax.random.key(1), progress=False)
+    whole, cut = run(plan.replace(chunk=60)), run(plan.replace(chunk=chunk))
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(cut.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in whole.metrics:
+        np.testing.assert_array_equal(whole.metrics[name], cut.metrics[name], err_msg=name)
+
+
+def test_a_study_compiles_two_programs_per_arm():
+    """`asgd-jax ablate`: each arm compiles its start and its chunk (its evaluation is inside them), and no program of
+    a shorter last chunk (a study's budget is a whole number of evaluation intervals)."""
+    from asgd_jax import studies
+
+    tiny = dict(dataset="digits", seeds=(0, 1), epochs=0.5, evals=2, window=10, workers=(1, 2))
+    arms = studies.load("dcasgd_table1").arms(dataclasses.replace(studies.load("dcasgd_table1").quick, **tiny), True)
+    asgd_jax.simulator.clear_cache()
+    with compilations() as counts:
+        result = studies.ablate(progress=False, **tiny)
+    assert len(arms) == 3 and len(result.runs) == 2 * 5
+    assert _simulator(counts) == {"simulator_start": len(arms), "simulator_chunk": len(arms)}, counts

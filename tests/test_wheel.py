@@ -1,0 +1,97 @@
+"""The package works installed from its wheel, outside the checkout: the shipped studies travel with it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import sysconfig
+import venv
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A fresh virtual environment outside the checkout with the built wheel installed; its dependencies are this
+    environment's (no network), its asgd_jax only the wheel's."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    dist = tmp / "dist"
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)]
+    subprocess.run([*build, str(ROOT)], check=True, capture_output=True, cwd=tmp)
+    (wheel,) = dist.glob("asgd_jax-*.whl")
+    env = tmp / "env"
+    venv.create(env, with_pip=False)
+    site = pathlib.Path(sysconfig.get_path("purelib", vars={"base": str(env), "platbase": str(env)}))
+    # This environment's packages as a plain path entry: its .pth files (the checkout's editable install) stay off.
+    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # --target, never --prefix: pip would first uninstall this environment's (editable) asgd_jax.
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, cwd=tmp)
+    return env, site, tmp
+
+
+def _run(installed, *args, timeout=600):
+    env, site, tmp = installed
+    command = [str(env / "bin" / "python"), str(site / "bin" / "asgd-jax"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp, timeout=timeout)
+
+
+def test_the_wheel_lists_and_runs_the_shipped_studies_outside_the_checkout(installed):
+    env, _, tmp = installed
+    where = subprocess.run(
+        [str(env / "bin" / "python"), "-c", "import asgd_jax; print(asgd_jax.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        check=True,
+    ).stdout
+    assert where.startswith(str(env)), where  # the wheel's package, not the checkout's
+    listing = _run(installed, "run", "--list")
+    assert listing.returncode == 0, listing.stderr
+    for name in ("dcasgd_table1", "gpu_asgd_nsync", "staleness_leaderboard"):
+        assert name in listing.stdout
+    assert _run(installed, "ablate", "--help").returncode == 0
+    out = tmp / "lam"
+    short = _run(
+        installed,
+        "run",
+        "dcasgd_lambda_sweep",
+        "--quick",
+        "--seeds",
+        "1",
+        "--epochs",
+        "0.2",
+        "--no-progress",
+        "--out",
+        str(out),
+    )
+    assert short.returncode == 0, short.stderr
+    assert len(json.loads((out / "results.json").read_text())["runs"]) == 10
+
+
+def test_a_study_file_of_ones_own_still_loads_by_path(installed, tmp_path):
+    mine = tmp_path / "my_study.py"
+    mine.write_text(
+        "from asgd_jax.experiments.dcasgd_lambda_sweep import STUDY as BASE\n"
+        "import dataclasses\n"
+        "STUDY = dataclasses.replace(BASE, name='my_study', title='mine')\n"
+    )
+    listing = _run(
+        installed,
+        "run",
+        str(mine),
+        "--quick",
+        "--seeds",
+        "1",
+        "--epochs",
+        "0.1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert "mine" in listing.stdout
