@@ -639,9 +639,10 @@ def run(
     prepared = [_prepare_arm(s, arm, setup, progress) for arm in arms]  # every arm checked before any runs
     runs: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}
-    # The arms' programs compile (or load) on a thread of their own, in order, while the earlier arms compute: a
+    # The arms' programs compile (or load) on threads of their own, in order, while the earlier arms compute: a
     # compilation releases Python's lock, so the time a study waits for the compiler shrinks to its first arm's.
-    ahead = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="asgd_jax-compile")
+    threads = max(1, min(2, (os.cpu_count() or 1) - 1))  # beside the compute: two threads need three cores
+    ahead = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="asgd_jax-compile")
     try:
         compiled = [ahead.submit(arm_run.sweep.compile) for arm_run in prepared]
         for arm_run, done in zip(prepared, compiled, strict=True):

@@ -31,6 +31,7 @@ def test_arms_put_each_algorithm_where_the_table_has_it():
     assert arms == [(1, "async", ["SGD"]), (4, "async", ["ASGD", "DC-ASGD-c", "DC-ASGD-a"]), (4, "sync", ["SSGD"])]
 
 
+@pytest.mark.xdist_group("ablate")  # one worker computes the module's tiny ablation once
 def test_result_covers_every_cell_and_seed(tiny_result):
     cells = {(r["M"], r["label"]) for r in tiny_result.runs}
     assert cells == {(1, "SGD")} | {(2, label) for label in ("ASGD", "SSGD", "DC-ASGD-c", "DC-ASGD-a")}
@@ -45,6 +46,7 @@ def test_result_covers_every_cell_and_seed(tiny_result):
     assert all(r["max_staleness"] == 0 for r in tiny_result.runs if r["label"] in ("SGD", "SSGD"))
 
 
+@pytest.mark.xdist_group("ablate")  # one worker computes the module's tiny ablation once
 def test_swept_asgd_equals_a_separate_simulation(tiny_result):
     # The sweep builds ASGD as DC-ASGD with lambda = 0 and a traced flag; pin that it is plain ASGD.
     ds = asgd_jax.data.load("digits")
@@ -68,6 +70,7 @@ def test_swept_asgd_equals_a_separate_simulation(tiny_result):
     np.testing.assert_allclose(alone.metrics["eval_error"][-1], run["test_error"], atol=1 / len(ds.y_test) + 1e-6)
 
 
+@pytest.mark.xdist_group("ablate")  # one worker computes the module's tiny ablation once
 def test_seeded_ablation_gives_identical_numbers_twice(tiny_result):
     again = studies.ablate(progress=False, **TINY)
     assert again.runs == tiny_result.runs
