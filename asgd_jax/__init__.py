@@ -10,28 +10,32 @@ Example:
 """
 
 from asgd_jax import (
+    cache,
     checkpoint,
     data,
     delays,
     errors,
-    exchange,
-    loader,
+    loss,
     metrics,
     models,
-    order,
     plan,
     preprocess,
     recipes,
     rules,
     schedules,
-    server,
-    session,
     simulator,
-    store,
     trainer,
 )
+
+# The engines' own modules, importable as attributes (asgd_jax.store, ...) but not the public face.
+from asgd_jax import exchange as exchange
+from asgd_jax import loader as loader
+from asgd_jax import order as order
+from asgd_jax import server as server
+from asgd_jax import session as session
+from asgd_jax import store as store
 from asgd_jax.errors import ConfigError
-from asgd_jax.exchange import Loss
+from asgd_jax.loss import Loss
 from asgd_jax.models import classification_eval, classification_loss
 from asgd_jax.plan import Plan
 from asgd_jax.rules import (
@@ -50,6 +54,8 @@ from asgd_jax.trainer import TrainConfig, train
 
 __version__ = "0.1.0"
 
+# What users call: the rules, the simulator, the trainer, data and models, the studies' building blocks. The engines'
+# own modules (store, server, exchange, session, worker, driver, ...) stay importable by name.
 __all__ = [
     "ConfigError",
     "Loss",
@@ -59,6 +65,7 @@ __all__ = [
     "SimulationResult",
     "TrainConfig",
     "asgd",
+    "cache",
     "checkpoint",
     "classification_eval",
     "classification_loss",
@@ -68,12 +75,10 @@ __all__ = [
     "delays",
     "drop_stale",
     "errors",
-    "exchange",
     "grid",
-    "loader",
+    "loss",
     "metrics",
     "models",
-    "order",
     "plan",
     "preprocess",
     "recipes",
@@ -82,12 +87,9 @@ __all__ = [
     "scale_by_delay_compensation",
     "scale_by_staleness",
     "schedules",
-    "server",
-    "session",
     "simulate",
     "simulator",
     "staleness_aware_sgd",
-    "store",
     "sweep",
     "train",
     "trainer",

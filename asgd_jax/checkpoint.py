@@ -8,11 +8,15 @@ freshly initialised state), which also checks that shapes and dtypes still fit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import tempfile
+import threading
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,24 +24,30 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["load", "load_model", "read_json", "save", "save_model", "write_json"]
+__all__ = ["Writer", "load", "load_model", "read_header", "read_json", "save", "save_model", "write_json"]
 
 _HEADER = "__header__"
 
 
 def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
     """Writes ``state`` (a pytree of arrays), extra host ``arrays`` and a JSON ``header`` atomically to ``path``."""
-    path = os.fspath(path)
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
     leaves = jax.device_get(jax.tree.leaves(state))
     payload = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
     payload.update({f"array_{k}": np.asarray(v) for k, v in arrays.items()})
     payload[_HEADER] = np.frombuffer(json.dumps(header).encode(), np.uint8)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".npz")
+    _atomic_write(path, ".npz", "wb", lambda f: np.savez(f, **payload))
+
+
+def _atomic_write(path: str | os.PathLike, suffix: str, mode: str, write) -> None:
+    """``write(file)`` into a temporary file beside ``path``, flushed to disk, then moved into place: a process killed
+    mid-write leaves the previous file whole."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **payload)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -49,20 +59,7 @@ def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], hea
 
 def write_json(path: str | os.PathLike, value: Any) -> None:
     """Writes ``value`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    _atomic_write(path, ".json", "w", lambda f: json.dump(value, f, indent=1, default=str))
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -104,6 +101,11 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
                 f"{dtype}{list(shape)}: it was written by a different configuration."
             )
     return jax.tree.unflatten(treedef, leaves), arrays, header
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's JSON header (the file is read whole, so damage shows here as a ``ConfigError``)."""
+    return _read(os.fspath(path))[0]
 
 
 def _read(path: str) -> tuple[dict[str, Any], list[np.ndarray], dict[str, np.ndarray]]:
@@ -151,3 +153,46 @@ def load_model(path: str | os.PathLike, params: Any, model_state: Any = None) ->
     if header.get("kind") != "model":
         raise errors.ConfigError(f"{path} is not a saved model (kind={header.get('kind')!r}): give a run's model.npz.")
     return state["params"], (state["model_state"] if model_state is not None else None)
+
+
+class Writer:
+    """Writes checkpoints on a thread of its own, so the caller never waits for the disk.
+
+    :meth:`submit` hands over a consistent snapshot (already on the host); a newer one supersedes one not yet written.
+    A failing write (a full disk) calls ``on_error(OSError)`` and leaves the previous checkpoint on disk: the last good
+    one.
+
+    Args:
+      path: the checkpoint file.
+      on_error: called with the error of a failed write.
+    """
+
+    def __init__(self, path: str | os.PathLike, on_error: Callable[[OSError], None]):
+        self.path, self._on_error = os.fspath(path), on_error
+        self._pending: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="checkpoint-writer")
+        self._thread.start()
+
+    def submit(self, state: Any, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+        """Queues a checkpoint (dropping a pending older one: the newer supersedes it)."""
+        while True:
+            try:
+                self._pending.put_nowait((state, arrays, header))
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._pending.get_nowait()
+
+    def _loop(self) -> None:
+        while (item := self._pending.get()) is not None:
+            try:
+                save(self.path, *item)
+            except Exception as e:  # a full disk: stop now, while the previous checkpoint is still the latest
+                why = f"writing the checkpoint {self.path} failed ({e}); the previous one stays valid"
+                self._on_error(OSError(why))
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Writes what is pending, then stops."""
+        if self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join(timeout=timeout)

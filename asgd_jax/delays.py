@@ -18,7 +18,6 @@ time, speeds, straggler probability, ...) are pytree leaves, so they may be trac
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -296,38 +295,15 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike, num: int | None = None) -> Trace:
-        """Reads a trainer's ``trace.jsonl`` (one JSON object with ``worker`` and ``time`` per applied push).
+        """Reads a trainer's ``trace.jsonl`` (:func:`asgd_jax.trace.read`: one record per applied push).
 
-        The number of workers is the one the records say (``workers``: a worker that never pushed still counts), or
-        ``num`` for traces without it; a half-written last line (a killed run) is left out.
+        The number of workers is ``num``, or else the one the records say (a worker that never pushed still counts);
+        a half-written last line (a killed run) is left out.
         """
-        workers, times, counts = [], [], set()
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise errors.ConfigError(
-                f"{path} is not a readable trace ({type(e).__name__}): give a trace.jsonl."
-            ) from None
-        lines = text.split("\n")
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                workers.append(int(record["worker"]))
-                times.append(float(record.get("time", n)))
-                counts.add(record.get("workers"))
-            except (ValueError, KeyError, TypeError) as e:
-                if n == len(lines):  # the last line, cut mid-write
-                    break
-                raise errors.ConfigError(f"{path}:{n}: not a trace record with a 'worker' field ({e}).") from None
-        if not workers:
-            raise errors.ConfigError(f"{path} holds no trace records.")
-        recorded = {c for c in counts if c is not None}
-        if num is None and len(recorded) == 1:
-            num = int(recorded.pop())
-        return cls(np.asarray(workers, np.int32), np.asarray(times, np.float32), num)
+        from asgd_jax import trace  # the trace format's owner (it imports nothing of the engines)
+
+        read = trace.read(path)
+        return cls(read.workers, read.times, num if num is not None else read.num)
 
 
 Trace = _pytree_dataclass(Trace, meta=("num",))

@@ -20,7 +20,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from asgd_jax import errors, exchange, preprocess
+from asgd_jax import errors, preprocess
+from asgd_jax import loss as loss_lib
 
 __all__ = [
     "MODELS",
@@ -361,7 +362,7 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return (jnp.argmax(logits, axis=-1) == labels).mean()
 
 
-def classification_loss(model: Model | NnxModel, *, augment: bool = False, padding: int = 4) -> exchange.Loss:
+def classification_loss(model: Model | NnxModel, *, augment: bool = False, padding: int = 4) -> loss_lib.Loss:
     """The training loss of ``model``, declared in the stateful form with auxiliary metrics.
 
     Args:
@@ -372,7 +373,7 @@ def classification_loss(model: Model | NnxModel, *, augment: bool = False, paddi
       padding: the padding of the random crop.
 
     Returns:
-      An :class:`asgd_jax.exchange.Loss` (``has_model_state=True, has_aux=True``) of
+      An :class:`asgd_jax.loss_lib.Loss` (``has_model_state=True, has_aux=True``) of
       ``loss_fn(params, model_state, batch, key) -> (loss, (model_state, {"error": error}))`` for a batch
       ``{"x": inputs, "y": int labels}``; ``key`` drives dropout (and augmentation), ``error`` is the minibatch's
       training error.
@@ -387,7 +388,7 @@ def classification_loss(model: Model | NnxModel, *, augment: bool = False, paddi
       (True, ['error'])
     """
 
-    return exchange.Loss(_ClassificationLoss(model, augment, padding), has_model_state=True, has_aux=True)
+    return loss_lib.Loss(_ClassificationLoss(model, augment, padding), has_model_state=True, has_aux=True)
 
 
 @dataclasses.dataclass(frozen=True)

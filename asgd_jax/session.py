@@ -15,30 +15,25 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from asgd_jax import checkpoint, errors
+from asgd_jax import checkpoint, errors, trace
 from asgd_jax.delays import Workers
 from asgd_jax.plan import Plan
 
 __all__ = [
     "BACKENDS",
-    "DeviceGroup",
     "Evaluator",
     "MetricsLog",
     "Outcome",
     "TrainConfig",
     "TrainResult",
     "WorkerStats",
-    "device_groups",
     "finish",
-    "stack_batches",
 ]
 
 log = logging.getLogger("asgd_jax.session")
@@ -46,7 +41,7 @@ log = logging.getLogger("asgd_jax.session")
 MODEL = "model.npz"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
-TRACE = "trace.jsonl"
+TRACE = trace.FILE
 CHECKPOINT = "checkpoint.npz"
 
 
@@ -202,14 +197,15 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class WorkerStats:
-    """Where one worker's time went (seconds, this session).
+    """Where one worker's time went (seconds, this session), the same on every backend.
 
     Attributes:
       pushes: payloads it sent.
-      compute: in its jitted exchange-period function (including the device transfers around it).
+      compute: its exchange period on its devices, the transfers around it included (a straggler's extra time too).
       data: waiting for minibatches.
-      exchange: waiting for the store (push applied, fresh weights back) or, in sync mode, for the round.
-      total: its whole loop.
+      exchange: waiting for the store's answer (push applied, fresh weights back) or, in SSGD, for the round.
+      total: its whole loop (the three above).
+      losses: the training loss of each push.
     """
 
     pushes: int = 0
@@ -217,10 +213,31 @@ class WorkerStats:
     data: float = 0.0
     exchange: float = 0.0
     total: float = 0.0
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+    def add(self, *, data: float, compute: float, exchange: float, loss: float) -> None:
+        """One push: its times and its loss."""
+        self.pushes += 1
+        self.data, self.compute, self.exchange = self.data + data, self.compute + compute, self.exchange + exchange
+        self.total += data + compute + exchange
+        self.losses.append(loss)
+
+    def merged(self, other: WorkerStats | None) -> WorkerStats:
+        """These stats and ``other``'s (a worker restarted within a session), summed."""
+        if other is None:
+            return self
+        return WorkerStats(
+            self.pushes + other.pushes,
+            self.compute + other.compute,
+            self.data + other.data,
+            self.exchange + other.exchange,
+            self.total + other.total,
+            self.losses + other.losses,
+        )
 
     @property
     def overhead(self) -> float:
-        """Fraction of the worker's time spent outside gradient computation."""
+        """Fraction of the worker's time spent outside its exchange period's computation."""
         return 1.0 - self.compute / self.total if self.total > 0 else 0.0
 
 
@@ -270,38 +287,6 @@ class TrainResult:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class DeviceGroup:
-    """A worker's devices: the shardings of its mesh, and the run's model key placed on them once."""
-
-    def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array):
-        mesh = Mesh(np.array(devices), ("batch",))
-        self.replicated = NamedSharding(mesh, P())
-        self.batch_sharded = NamedSharding(mesh, P(None, "batch"))
-        self.model_key = jax.device_put(model_key, self.replicated)
-
-    def place(self, worker: int, params, model_state, batches, version: int) -> tuple:
-        """The inputs of :func:`asgd_jax.exchange.worker_function`'s function on this group; every host -> device
-        copy explicit."""
-        p, ms, v, i = jax.device_put((params, model_state, np.int32(version), np.int32(worker)), self.replicated)
-        return p, ms, jax.device_put(batches, self.batch_sharded), self.model_key, v, i
-
-
-def device_groups(devices: Sequence[jax.Device], per_worker: int) -> list[list[jax.Device]]:
-    """``devices`` cut into groups of ``per_worker`` (worker w owns group ``w mod len(groups)``)."""
-    per_worker = errors.positive_int("devices_per_worker", per_worker)
-    if per_worker > len(devices):
-        raise errors.ConfigError(
-            f"devices_per_worker={per_worker} but only {len(devices)} device(s) are available: use at most "
-            f"{len(devices)} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices)."
-        )
-    return [list(devices[i * per_worker : (i + 1) * per_worker]) for i in range(len(devices) // per_worker)]
-
-
-def stack_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """A worker's ``n_sync`` minibatches stacked on a leading axis (what the exchange period takes)."""
-    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # metrics.jsonl and the evaluator.
 # --------------------------------------------------------------------------------------------------------------------
@@ -311,45 +296,35 @@ class MetricsLog:
     """``metrics.jsonl``: a record per log period (rates since the previous record), evaluation records, a final
     record. Without an output folder the records are computed and dropped."""
 
-    def __init__(self, num_workers: int):
-        self.M = num_workers
+    def __init__(self, num_workers: int, mode: str = "async"):
+        self.num_workers, self.mode = num_workers, mode
         self._file = None
         self._lock = threading.Lock()
         self._last: tuple = (time.perf_counter(), 0, [0] * num_workers, {})
         self.error: BaseException | None = None
 
-    def open(
-        self,
-        out_dir: str | None,
-        *,
-        append: bool,
-        applied: int,
-        staleness_counts: dict[int, int],
-        pushes: list[int] | None = None,
-    ) -> None:
-        """Starts the file (appends on a resume) and the counts the first record's rates are taken from."""
+    def open(self, out_dir: str | None, status: Any) -> None:
+        """Starts the file (appends on a resume) and the counts the first record's rates are taken from (the store's
+        :class:`~asgd_jax.store.StoreStatus` at the start)."""
         if out_dir is not None:
-            self._file = open(os.path.join(out_dir, METRICS), "a" if append else "w")  # noqa: SIM115 (close())
-        self._last = (time.perf_counter(), applied, list(pushes or [0] * self.M), dict(staleness_counts))
+            mode = "a" if status.resumed_from else "w"
+            self._file = open(os.path.join(out_dir, METRICS), mode)  # noqa: SIM115 (close())
+        self._last = (time.perf_counter(), status.applied, self._pushes(status), dict(status.staleness_counts))
+
+    def _pushes(self, status: Any) -> list[int]:
+        """Each worker's pushes so far: its data position (in SSGD, every worker's is the rounds')."""
+        return list(status.positions) if self.mode == "async" else [status.positions[0]] * self.num_workers
 
     def restart_clock(self, start: float) -> None:
         self._last = (start, *self._last[1:])
 
-    def record(
-        self,
-        *,
-        applied: int,
-        rejected: int,
-        elapsed: float,
-        pushes: list[int],
-        new_losses: list[float],
-        staleness_counts: dict[int, int],
-        final: bool = False,
-    ) -> dict[str, Any]:
-        """The record of what happened since the previous one (``pushes``: per-worker totals so far)."""
+    def record(self, status: Any, elapsed: float, new_losses: list[float], final: bool = False) -> dict[str, Any]:
+        """The record of what happened since the previous one, from the store's status now (its per-worker
+        positions count the pushes)."""
         now = time.perf_counter()
         t_prev, applied_prev, pushes_prev, stale_prev = self._last
-        counts = dict(staleness_counts)
+        applied, rejected, pushes = status.applied, status.rejected, self._pushes(status)
+        counts = dict(status.staleness_counts)
         dt = max(now - t_prev, 1e-9)
         record = {
             "kind": "final" if final else "train",
@@ -400,7 +375,11 @@ class Evaluator:
     def warm_up(self, params, model_state) -> None:
         jax.block_until_ready(self.fn(*jax.device_put((params, model_state), self.device)))
 
-    def submit(self, version: int, params, model_state) -> None:
+    def submit(self, snapshot: Any) -> None:
+        """Queues a :class:`~asgd_jax.store.Snapshot` of the weights for evaluation."""
+        self._submit(*snapshot)
+
+    def _submit(self, version: int, params, model_state) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, daemon=True, name="evaluator")
             self._thread.start()
@@ -431,7 +410,7 @@ class Evaluator:
         """Evaluates the final weights unless the last evaluation was of them; returns every evaluation."""
         self.close()
         if not self.history or self.history[-1]["update"] != version:
-            self.submit(version, params, model_state)
+            self._submit(version, params, model_state)
             self.close()
         return self.history
 
@@ -447,10 +426,9 @@ class Outcome:
 
     params: Any
     model_state: Any
-    status: dict[str, Any]  # received, applied, rejected, late, resumed_from, staleness_counts, error
+    status: Any  # the store's final StoreStatus
     failures: dict[int, str]
     seconds: float
-    losses: dict[int, list[float]]
     workers: list[WorkerStats]
     interrupted: bool = False
     timed_out: bool = False
@@ -463,13 +441,12 @@ def finish(
     metrics: MetricsLog,
     evaluator: Evaluator | None,
     final_record: Callable[[], dict[str, Any]],
-    summary: dict[str, Any],
 ) -> TrainResult:
     """Ends a session the same way on every backend: the final evaluation, ``model.npz``, the final metrics record
     and ``summary.json`` (when the weights are finite), then the result or the exception that says why the run
     stopped (Ctrl-C, the store's error)."""
     s = outcome.status
-    evals = [] if evaluator is None else evaluator.final(s["applied"], outcome.params, outcome.model_state)
+    evals = [] if evaluator is None else evaluator.final(s.applied, outcome.params, outcome.model_state)
     paths: dict[str, str] = {}
     if out_dir is not None:
         paths = {
@@ -482,37 +459,37 @@ def finish(
     result = TrainResult(
         params=outcome.params,
         model_state=outcome.model_state,
-        pushes_sent=s["received"],
-        pushes_applied=s["applied"],
-        pushes_rejected=s["rejected"],
-        pushes_late=s["late"],
+        pushes_sent=s.received,
+        pushes_applied=s.applied,
+        pushes_rejected=s.rejected,
+        pushes_late=s.late,
         failures=outcome.failures,
         trace_path=paths.get("trace"),
         checkpoint_path=paths.get("checkpoint"),
         metrics_path=paths.get("metrics"),
         seconds=outcome.seconds,
-        losses=outcome.losses,
+        losses={w: stats.losses for w, stats in enumerate(outcome.workers)},
         workers=outcome.workers,
         evals=evals,
-        resumed_from=s["resumed_from"],
-        staleness_counts=dict(sorted(s["staleness_counts"].items())),
+        resumed_from=s.resumed_from,
+        staleness_counts=dict(sorted(s.staleness_counts.items())),
         ended=_ended(outcome),
     )
     if outcome.timed_out:
-        log.warning("stopped by the timeout at update %d (resume continues)", s["applied"])
+        log.warning("stopped by the timeout at update %d (resume continues)", s.applied)
     if out_dir is not None:
-        _write_summary(out_dir, result, outcome, summary)
+        _write_summary(out_dir, result, outcome)
     if outcome.interrupted:
-        raise KeyboardInterrupt(f"training interrupted at update {s['applied']}; resume=True continues")
-    if s["error"] is not None:
-        raise errors.RunStopped(f"training stopped at update {s['applied']}: {s['error']}")
+        raise KeyboardInterrupt(f"training interrupted at update {s.applied}; resume=True continues")
+    if s.error is not None:
+        raise errors.RunStopped(f"training stopped at update {s.applied}: {s.error}")
     return result
 
 
 def _ended(outcome: Outcome) -> str:
     if outcome.interrupted:
         return "interrupted"
-    if outcome.status["error"] is not None:
+    if outcome.status.error is not None:
         return "stopped"
     if outcome.timed_out:
         return "timeout"
@@ -521,12 +498,12 @@ def _ended(outcome: Outcome) -> str:
     return "finished"
 
 
-def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, extra: dict[str, Any]) -> None:
+def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
     """``summary.json``: the run's outcome in one file (counts, the last evaluation, how it ended)."""
     session_updates = result.pushes_applied - result.resumed_from
     summary = {
         "ended": _ended(outcome),
-        "error": outcome.status["error"],
+        "error": outcome.status.error,
         "evals": result.evals,
         "test_error": result.evals[-1].get("error") if result.evals else None,
         "pushes_sent": result.pushes_sent,
@@ -538,8 +515,11 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, extra: d
         "seconds": result.seconds,
         "updates_per_second": session_updates / max(result.seconds, 1e-9),
         "worker_overhead": [w.overhead for w in result.workers],
+        # Where each worker's time went, in seconds (the same on every backend: see WorkerStats).
+        "workers": [
+            {k: getattr(w, k) for k in ("pushes", "data", "compute", "exchange", "total")} for w in result.workers
+        ],
         "staleness_counts": result.staleness_counts,
-        **extra,
     }
     try:
         with open(os.path.join(out_dir, SUMMARY), "w") as f:

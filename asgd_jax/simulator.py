@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import os
 import threading
@@ -50,6 +51,7 @@ import optax
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
 from asgd_jax import errors, exchange, order, recipes, server
+from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.plan import Plan
 
@@ -479,7 +481,7 @@ def _aval_key(args: Any) -> Hashable:
     return treedef, tuple(one(x) for x in leaves)
 
 
-def _make_program(key: _Key, loss: exchange.Loss, source: _Source, ex: Exchange, eval_fn, length: int) -> _Program:
+def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange, eval_fn, length: int) -> _Program:
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     batched = key.runs is not None
     evaluator = None if eval_fn is None else exchange.eval_parts(eval_fn)[0]
@@ -559,7 +561,7 @@ def _code(obj: Any) -> Hashable:
     """What an object keyed by identity does, to tell a new object of the same code from another function."""
     if isinstance(obj, tuple):
         return tuple(_code(x) for x in obj)
-    if isinstance(obj, exchange.Loss):
+    if isinstance(obj, loss_lib.Loss):
         return ("loss", _code(obj.fn), obj.has_model_state, obj.has_aux)
     if isinstance(obj, functools.partial):
         return ("partial", _code(obj.func))
@@ -682,7 +684,7 @@ def _prepare(
             f"plan.eval_every={plan.eval_every} was given without eval_fn: pass eval_fn(params, model_state) -> dict "
             "(or set chunk instead of eval_every for the chunk length alone)."
         )
-    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
+    loss = loss_lib.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     ex = exchange.Exchange.create(plan.replace(delays=first_delays), data, stateful=loss.has_model_state)
     exchange.check_params(params)
     model_state = {} if model_state is None else model_state
@@ -939,7 +941,7 @@ def simulate(
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; with ``model_state`` given, ``loss_fn(params, model_state,
         batch, key) -> (loss, new_model_state)``; with ``has_aux=True`` the loss comes with a dict of scalar training
-        metrics (``(loss, aux)``, or ``(loss, (new_model_state, aux))``). An :class:`asgd_jax.exchange.Loss` declares
+        metrics (``(loss, aux)``, or ``(loss, (new_model_state, aux))``). An :class:`asgd_jax.loss_lib.Loss` declares
         its own form (:func:`asgd_jax.classification_loss` returns one). A loss that does not return what its form
         says is reported before anything compiles.
       rule: the server's update rule, e.g. :func:`asgd_jax.dc_asgd` (its numbers are arguments of the compiled
@@ -1040,25 +1042,7 @@ def lower(
     return program.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), None, key, {}, numbers, np.bool_(0))
 
 
-def sweep(
-    loss_fn: Callable,
-    rule: Callable[[Mapping[str, jax.Array]], optax.GradientTransformation] | optax.GradientTransformation,
-    params: Any,
-    data: Any,
-    plan: Plan | None = None,
-    *,
-    keys: jax.Array,
-    hparams: Mapping[str, Any] | None = None,
-    delays_fn: Callable[[Mapping[str, jax.Array]], Any] | None = None,
-    model_state: Any = None,
-    has_aux: bool = False,
-    eval_fn: Callable | None = None,
-    on_nonfinite: str = "warn",
-    checkpoint_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-    callback: Callable[[int, SimState], None] | None = None,
-    description: str | None = None,
-) -> SimulationResult:
+def sweep(*args: Any, **kwargs: Any) -> SimulationResult:
     """Runs R simulations as one compiled program, vmapped over keys and hyperparameters.
 
     Everything that shapes the program (the plan) is shared; what varies per run is the key and the numeric
@@ -1093,24 +1077,7 @@ def sweep(
       >>> result.params.shape, result.metrics["loss"].shape
       ((4, 3), (4, 100))
     """
-    return prepare_sweep(
-        loss_fn,
-        rule,
-        params,
-        data,
-        plan,
-        keys=keys,
-        hparams=hparams,
-        delays_fn=delays_fn,
-        model_state=model_state,
-        has_aux=has_aux,
-        eval_fn=eval_fn,
-        on_nonfinite=on_nonfinite,
-        checkpoint_dir=checkpoint_dir,
-        progress=progress,
-        callback=callback,
-        description=description,
-    ).run()
+    return prepare_sweep(*args, **kwargs).run()
 
 
 class Prepared(NamedTuple):
@@ -1198,6 +1165,9 @@ def prepare_sweep(
         description=description or f"sweep x{num_runs}",
     )
     return Prepared(program, call)
+
+
+sweep.__signature__ = inspect.signature(prepare_sweep).replace(return_annotation=SimulationResult)
 
 
 def _check_hparams(hparams: Any, num_runs: int) -> dict[str, jax.Array]:

@@ -4,7 +4,7 @@ Workers ``pull`` the weights once and then ``push`` payloads; one applier thread
 arrival order, with the same pure :func:`asgd_jax.server.push` the simulator scans, and right after applying a push
 records that worker's pull (:func:`asgd_jax.server.pull`) and hands it the fresh weights. That push-then-pull is
 atomic, which is exactly the simulator's semantics, so the recorded trace (``trace.jsonl``: one line per applied push)
-replays in the simulator as ``asgd_jax.delays.Trace.load(path)``.
+replays in the simulator as ``asgd_jax.delays.Trace.load(path)`` (the format is :mod:`asgd_jax.trace`'s).
 
 Bad pushes never touch the model: a wrong tree structure, shape or dtype is rejected at ``push`` with a clear error;
 a payload with NaN/Inf is rejected (counted) or, with ``on_nonfinite="stop"``, closes the store with a clear message.
@@ -14,53 +14,86 @@ the store closed (in flight when the budget was reached).
 Checkpoints (``checkpoint_dir``): the whole server state (weights, rule state, model state, every worker's backup and
 pulled version, the version), the counts and each worker's data position (pushes it got applied or rejected as
 non-finite: the minibatches it used up) go to ``checkpoint.npz``, written atomically (temporary file, fsync, rename:
-a process killed mid-write leaves the previous one loadable) every ``checkpoint_every`` updates by a writer thread that
-never stalls the applier, and once more at :meth:`ParameterStore.close`. ``resume=True`` restores it and cuts
-``trace.jsonl`` back to the checkpoint's version, so the trace of a resumed run still replays in the simulator.
+a process killed mid-write leaves the previous one loadable) every ``checkpoint_every`` updates by a
+:class:`asgd_jax.checkpoint.Writer` that never stalls the applier, and once more at :meth:`ParameterStore.close`.
+``resume=True`` restores it and cuts ``trace.jsonl`` back to the checkpoint's version, so the trace of a resumed run
+still replays in the simulator.
+
+Workers talk to a store through its :class:`Endpoint` (in this process, or inside the Ray backend's store actor): the
+one place where what the store says (applied, rejected, closed, a stale SSGD round) becomes a worker's
+:class:`asgd_jax.worker.Answer`, and where a driver polls the run's :class:`StoreStatus`, the losses pushed since its
+last poll and the snapshots of the weights to evaluate.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import json
 import logging
 import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, errors, exchange, server
+from asgd_jax import checkpoint, errors, exchange, server, session, trace
+from asgd_jax.worker import Answer, Sync, Weights
 
-__all__ = ["BadPush", "ParameterStore", "StaleRound", "StoreClosed"]
+__all__ = [
+    "BadPush",
+    "Endpoint",
+    "ParameterStore",
+    "Progress",
+    "Snapshot",
+    "StaleRound",
+    "StoreClosed",
+    "StoreStatus",
+    "check_resume",
+    "for_run",
+]
 
 
 log = logging.getLogger("asgd_jax.store")
 
-CHECKPOINT = "checkpoint.npz"
-TRACE = "trace.jsonl"
+CHECKPOINT = session.CHECKPOINT
 
 
-def _check_options(on_nonfinite, num_workers, checkpoint_every, snapshot_every, max_nonfinite) -> None:
-    """The store's own argument checks (the trainer's config checks them first, with the flags' names)."""
-    if on_nonfinite not in ("reject", "stop"):
-        raise errors.ConfigError(f"on_nonfinite={on_nonfinite!r} is invalid: use 'reject' or 'stop'.")
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise errors.ConfigError(f"num_workers={num_workers!r} is invalid: use an int >= 1.")
-    for name, value in (
-        ("checkpoint_every", checkpoint_every),
-        ("snapshot_every", snapshot_every),
-        ("max_nonfinite", max_nonfinite),
-    ):
-        if value is not None:
-            errors.positive_int(name, value)
+class StoreStatus(NamedTuple):
+    """The counts and how a store stands (what a driver polls and a session ends with).
+
+    ``received == applied + rejected`` always; ``late`` counts the rejected pushes that merely arrived after the store
+    closed; ``positions`` is each worker's data position (pushes applied or rejected as non-finite)."""
+
+    applied: int
+    rejected: int
+    late: int
+    received: int
+    closed: bool
+    error: str | None
+    resumed_from: int
+    positions: tuple[int, ...]
+    staleness_counts: dict[int, int]
+
+
+class Snapshot(NamedTuple):
+    """Host copies of the server's weights right after update ``version`` (to evaluate)."""
+
+    version: int
+    params: Any
+    model_state: Any
+
+
+class Progress(NamedTuple):
+    """A driver's poll of a store: its status, the losses pushed since the last poll and the snapshots taken since."""
+
+    status: StoreStatus
+    losses: list[float]
+    snapshots: list[Snapshot]
 
 
 class BadPush(ValueError):
@@ -94,9 +127,10 @@ class ParameterStore:
         an error (it would be overwritten).
       header: JSON-able facts about the run stored with the checkpoint; a resume whose header differs in any key is
         refused (another worker count, batch size, data order...).
-      snapshot_every, on_snapshot: ``on_snapshot(version, params, model_state)`` is called by the applier right after
-        every ``snapshot_every``-th update (no copy; it must return quickly, e.g. enqueue an evaluation).
+      snapshot_every: host copies of the weights are kept after every such update (:meth:`take_snapshots`).
       max_nonfinite: this many NaN/Inf pushes in a row stop the store (default: 10 per worker): a diverged model.
+
+    The settings are the trainer's, checked once in :class:`asgd_jax.TrainConfig` and its plan.
 
     Nothing fails silently: a failing trace or checkpoint write (a full disk), an exception in the applier, or
     weights that turn NaN/Inf close the store with :attr:`error` set, and the workers' next push raises
@@ -119,10 +153,9 @@ class ParameterStore:
         resume: bool = False,
         header: dict[str, Any] | None = None,
         snapshot_every: int | None = None,
-        on_snapshot=None,
         max_nonfinite: int | None = None,
     ):
-        _check_options(on_nonfinite, num_workers, checkpoint_every, snapshot_every, max_nonfinite)
+        errors.positive_int("num_workers", num_workers)
         # Consecutive non-finite pushes that stop the run: a diverged model pushes nothing else, forever.
         self.max_nonfinite = max_nonfinite or 10 * num_workers
         self._nonfinite_streak = 0
@@ -138,7 +171,7 @@ class ParameterStore:
         self.late = 0  # of the rejected: pushes that arrived after the store closed (the budget was reached)
         self.positions = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
         self.staleness_counts: collections.Counter[int] = collections.Counter()
-        self.header = dict(header or {}, num_workers=num_workers)
+        self.header = {"num_workers": num_workers, **(header or {})}
         self.checkpoint_path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), CHECKPOINT)
         self.checkpoint_every, self.resumed_from = checkpoint_every, 0
         if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path):
@@ -161,15 +194,15 @@ class ParameterStore:
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self.error: BaseException | None = None
-        self.snapshot_every, self._on_snapshot = snapshot_every, on_snapshot
-        self._trace_file = None
+        self.snapshot_every, self._snapshots = snapshot_every, []
+        self._trace = None
         self._t0 = time.perf_counter()
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
-            self._trace_file = _open_trace(os.path.join(out_dir, TRACE), keep=self.applied)
-        self._writes: queue.Queue = queue.Queue(maxsize=1)
-        self._writer = threading.Thread(target=self._write_loop, daemon=True, name="store-checkpoints")
-        self._writer.start()
+            self._trace = trace.Writer(os.path.join(out_dir, trace.FILE), keep=self.applied)
+        self._writer = None
+        if self.checkpoint_path is not None:
+            self._writer = checkpoint.Writer(self.checkpoint_path, self.fail)
         self._applier = threading.Thread(target=self._apply_loop, daemon=True, name="store-applier")
         self._applier.start()
 
@@ -187,10 +220,6 @@ class ParameterStore:
         self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
 
     # -- the worker-facing API ----------------------------------------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        return self.applied
 
     def pull(self, worker: int) -> tuple[Any, Any, int]:
         """Records ``worker``'s backup; returns ``(params, model_state, version)``: the weights it computes at (host
@@ -327,29 +356,29 @@ class ParameterStore:
             self._closed.set()
             self._queue.put(None)
             self._applier.join(timeout=60)
-        if self._writer.is_alive():
-            self._writes.put(None)
-            self._writer.join(timeout=600)
+        if self._writer is not None:
+            self._writer.close()
             # The final checkpoint: not of NaN weights, and not over a failed write (the one on disk is the last good).
             sound = not self.diverged and not isinstance(self.error, OSError) and not self._state_lost()
-            if self.checkpoint_path is not None and sound:
+            if sound:
                 try:
                     self.save_checkpoint()
                 except OSError as e:
                     self.fail(OSError(f"writing the final checkpoint {self.checkpoint_path} failed: {e}"))
-        if self._trace_file is not None and not self._trace_file.closed:
+            self._writer = None
+        if self._trace is not None:
             try:
-                self._trace_file.close()
+                self._trace.close()
             except OSError as e:  # the last flush of a full disk
-                self.fail(OSError(f"writing {self._trace_file.name} failed: {e}"))
+                self.fail(OSError(f"writing {self._trace.path} failed: {e}"))
 
     def save_checkpoint(self) -> str:
         """Writes a consistent checkpoint now (atomically); returns its path."""
         if self.checkpoint_path is None:
             raise errors.ConfigError("this store has no checkpoint_dir: pass checkpoint_dir= to ParameterStore.")
         with self._lock:
-            snapshot = self._snapshot()
-        self._write(snapshot)
+            snapshot = self._checkpoint()
+        checkpoint.save(self.checkpoint_path, *snapshot)
         return self.checkpoint_path
 
     def state(self) -> server.ServerState:
@@ -368,20 +397,26 @@ class ParameterStore:
     def _state_lost(self) -> bool:
         return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state))
 
-    def status(self) -> dict[str, Any]:
-        """The counts and how the store stands, as plain data (what a driver polls and a session ends with)."""
+    def status(self) -> StoreStatus:
+        """The counts and how the store stands."""
         with self._lock:
-            return {
-                "applied": self.applied,
-                "rejected": self.rejected,
-                "late": self.late,
-                "received": self.received,
-                "closed": self.closed,
-                "error": None if self.error is None else str(self.error),
-                "resumed_from": self.resumed_from,
-                "positions": [int(d) for d in self.positions],
-                "staleness_counts": dict(self.staleness_counts),
-            }
+            return StoreStatus(
+                applied=self.applied,
+                rejected=self.rejected,
+                late=self.late,
+                received=self.received,
+                closed=self.closed,
+                error=None if self.error is None else str(self.error),
+                resumed_from=self.resumed_from,
+                positions=tuple(int(d) for d in self.positions),
+                staleness_counts=dict(self.staleness_counts),
+            )
+
+    def take_snapshots(self) -> list[Snapshot]:
+        """The snapshots of the weights taken since the last call (handed over)."""
+        with self._lock:
+            snapshots, self._snapshots = self._snapshots, []
+        return snapshots
 
     @property
     def closed(self) -> bool:
@@ -409,26 +444,15 @@ class ParameterStore:
                 return f"leaf {i} is {x_dtype}{list(np.shape(x))}, the model's is {dtype}{list(shape)}"
         return None
 
-    def _snapshot(self) -> tuple:
+    def _checkpoint(self) -> tuple:
+        """What a checkpoint holds, as host copies: the state, each worker's data position, the header and counts."""
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
-        return _host_copy(self._state), self.positions.copy(), counts, dict(self.staleness_counts)
-
-    def _write(self, snapshot: tuple) -> None:
-        state, done, counts, staleness = snapshot
-        header = {**self.header, **counts, "staleness_counts": {str(k): v for k, v in staleness.items()}}
-        checkpoint.save(self.checkpoint_path, state, {"done": done}, header)  # "done": the name on disk
-
-    def _write_loop(self) -> None:
-        while (snapshot := self._writes.get()) is not None:
-            try:
-                self._write(snapshot)
-            except Exception as e:  # a full disk: stop now, while the previous checkpoint is still the latest
-                self.fail(
-                    OSError(
-                        f"writing the checkpoint {self.checkpoint_path} failed ({e}); the previous one "
-                        "stays valid: free space and resume"
-                    )
-                )
+        staleness = {str(k): v for k, v in self.staleness_counts.items()}
+        return (
+            _host_copy(self._state),
+            {"positions": self.positions.copy()},
+            {**self.header, **counts, "staleness_counts": staleness},
+        )
 
     def fail(self, error: BaseException) -> None:
         """Stops the store with ``error`` (the first error wins): nothing more is applied, workers are told why."""
@@ -441,17 +465,12 @@ class ParameterStore:
 
     def _restore(self, path: str) -> None:
         state, arrays, header = checkpoint.load(path, self._state)
-        mismatched = {k: (header.get(k), v) for k, v in self.header.items() if header.get(k) != v}
-        if mismatched:
-            details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
-            raise errors.ConfigError(
-                f"Cannot resume from {path}: it was written by a different run ({details}). "
-                "Use the same settings, or another output folder."
-            )
+        _check_header(path, header, self.header)
         self._state = jax.device_put(state, self.device)
         self.applied, self.rejected, self.late = header["applied"], header["rejected"], header.get("late", 0)
         self.received = self.applied + self.rejected  # pushes in flight at the checkpoint are lost and sent again
-        self.positions = np.asarray(arrays["done"], np.int64).copy()
+        # Checkpoints written before 2026-12 call the positions "done"; they still load.
+        self.positions = np.asarray(arrays["positions" if "positions" in arrays else "done"], np.int64).copy()
         self.staleness_counts.update({int(k): v for k, v in header["staleness_counts"].items()})
         self.resumed_from = self.applied
         log.info("resumed from %s at update %d", path, self.applied)
@@ -505,20 +524,19 @@ class ParameterStore:
             self.positions[worker] += 1
             staleness = int(jax.device_get(staleness))
             self.staleness_counts[staleness] += 1
-            record = {
-                "worker": int(worker),
-                "workers": self.num_workers,  # so that Trace.load knows M even if the last worker never pushed
-                "pulled_version": int(pulled_version),
-                "applied_version": self.applied,
-                "staleness": staleness,  # as the server step saw it
-                "time": time.perf_counter() - self._t0,
-            }
-            if self._trace_file is not None:
+            if self._trace is not None:
+                record = trace.Record(
+                    worker=int(worker),
+                    workers=self.num_workers,
+                    pulled_version=int(pulled_version),
+                    applied_version=self.applied,
+                    staleness=staleness,  # as the server step saw it
+                    time=time.perf_counter() - self._t0,
+                )
                 try:
-                    self._trace_file.write(json.dumps(record) + "\n")
-                    self._trace_file.flush()
+                    self._trace.write(record)
                 except OSError as e:
-                    self.fail(OSError(f"writing {self._trace_file.name} failed ({e}): free space and resume"))
+                    self.fail(OSError(f"writing {self._trace.path} failed ({e}): free space and resume"))
             # Host copies: the next exchange updates the state's buffers in place (donation).
             result = (*self._answer_for(worker), self.applied)
             self._last_answer = result[:2]
@@ -532,17 +550,14 @@ class ParameterStore:
                 )
             elif self.num_updates is not None and self.applied >= self.num_updates:
                 self._closed.set()
-            due = self.checkpoint_path is not None and self.checkpoint_every is not None and not self.diverged
+            due = self._writer is not None and self.checkpoint_every is not None and not self.diverged
             if due and self.applied % self.checkpoint_every == 0:
-                _replace_latest(self._writes, self._snapshot())
-            snapshot = None
-            if self._on_snapshot is not None and self.snapshot_every and self.applied % self.snapshot_every == 0:
+                self._writer.submit(*self._checkpoint())
+            if self.snapshot_every and self.applied % self.snapshot_every == 0:
                 # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
                 weights = _host_copy((self._state.params, self._state.model_state)) if self._sends else result[:2]
-                snapshot = (self.applied, *weights)
+                self._snapshots.append(Snapshot(self.applied, *weights))
         future.set_result(result)
-        if snapshot is not None:
-            self._on_snapshot(*snapshot)
 
     def _reject_nonfinite(self, worker: int, pulled_version: int) -> BadPush:
         """Counts a NaN/Inf push (its minibatches are used up) and stops the store on policy or after a streak."""
@@ -564,51 +579,29 @@ class ParameterStore:
         return BadPush(message)
 
 
+def _check_header(path: str, saved: dict[str, Any], header: dict[str, Any]) -> None:
+    mismatched = {k: (saved.get(k), v) for k, v in header.items() if saved.get(k) != v}
+    if mismatched:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
+        raise errors.ConfigError(
+            f"Cannot resume from {path}: it was written by a different run ({details}). "
+            "Use the same settings, or another output folder."
+        )
+
+
+def check_resume(out_dir: str | os.PathLike, header: dict[str, Any]) -> None:
+    """What a store resuming in ``out_dir`` would refuse, checked where the run starts (before any store or worker is
+    made, on any backend): a checkpoint of another run (its header differs from ``header``, which holds the worker
+    count), or a trace that no longer reaches the checkpoint. Raises a ``ConfigError`` saying which."""
+    path = os.path.join(os.fspath(out_dir), CHECKPOINT)
+    saved = checkpoint.read_header(path)
+    _check_header(path, saved, header)
+    trace.whole_records(os.path.join(os.fspath(out_dir), trace.FILE), int(saved.get("applied", 0)))
+
+
 def _host_copy(tree: Any) -> Any:
     """A NumPy copy that owns its memory (never a view of a buffer the store will donate)."""
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
-
-
-def _replace_latest(q: queue.Queue, item: Any) -> None:
-    """Puts ``item`` in a one-slot queue, dropping a pending older item (a newer checkpoint supersedes it)."""
-    while True:
-        try:
-            q.put_nowait(item)
-            return
-        except queue.Full:
-            with contextlib.suppress(queue.Empty):
-                q.get_nowait()
-
-
-def _open_trace(path: str, keep: int):
-    """Opens the trace for appending after its first ``keep`` records (a resumed run drops what came after its
-    checkpoint; a half-written last line, from a kill mid-write, is cut); ``keep=0`` starts a fresh file.
-
-    Raises:
-      ConfigError: on a resume, when the trace is missing or holds fewer whole records than the checkpoint's updates:
-        the run could no longer be replayed.
-    """
-    lines: list[str] = []
-    if keep:
-        way_out = (
-            f"the run can no longer be replayed past that. Restore {os.path.basename(path)} from a copy, or "
-            "start a new run in another folder (--out)"
-        )
-        if not os.path.exists(path):
-            raise errors.ConfigError(f"{path} is missing but the checkpoint is at update {keep}: {way_out}.")
-        with open(path, "rb") as f:
-            raw = f.read()
-        whole = raw[: raw.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines(keepends=True)
-        lines = whole[:keep]
-        if len(lines) < keep:
-            raise errors.ConfigError(
-                f"{path} holds {len(lines)} whole records but the checkpoint is at update {keep}: {way_out}."
-            )
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
-    return open(path, "a")
 
 
 def _all_finite(tree) -> bool:
@@ -625,3 +618,98 @@ def _all_finite(tree) -> bool:
 
 
 _device_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+
+
+def for_run(
+    rule: optax.GradientTransformation,
+    params: Any,
+    config: Any,
+    *,
+    header: dict[str, Any],
+    model_state: Any,
+    evaluates: bool,
+    resume: bool | None = None,
+) -> ParameterStore:
+    """The store of a trainer run, made from its :class:`asgd_jax.TrainConfig` (the one place a backend's store is
+    built): its budget, output folder, checkpoints, snapshots for evaluation and non-finite policy. ``resume``
+    defaults to the config's (the Ray store actor always resumes: Ray restarts it from its checkpoint)."""
+    return ParameterStore(
+        rule,
+        params,
+        config.plan.workers,
+        model_state=model_state,
+        num_updates=config.plan.num_updates,
+        out_dir=config.out,
+        on_nonfinite=config.on_nonfinite,
+        checkpoint_dir=config.out,
+        checkpoint_every=config.checkpoint_interval(),
+        resume=config.resume if resume is None else resume,
+        header=header,
+        snapshot_every=config.eval_interval() if evaluates else None,
+        max_nonfinite=config.max_nonfinite,
+    )
+
+
+class Endpoint:
+    """What workers talk to and what a driver polls: a :class:`ParameterStore`, in :mod:`asgd_jax.worker`'s terms.
+
+    The one place where the store's exceptions become a worker's :class:`~asgd_jax.worker.Answer`: a bad or non-finite
+    push is ``"rejected"``, a closed store ``"closed"``, an SSGD payload of a round already past ``"resync"``. In SSGD
+    every round is pushed as worker 0, so every worker starts from worker 0's backup and data position.
+
+    Args:
+      store: the store.
+      mode: the plan's mode (``"async"`` or ``"sync"``).
+      timeout: the longest a push may wait for its answer (the run's timeout).
+    """
+
+    def __init__(self, store: ParameterStore, mode: str, timeout: float | None = None):
+        self.store, self.mode, self.timeout = store, mode, timeout
+        self._lock = threading.Lock()
+        self._losses: list[float] = []
+
+    def sync(self, worker: int) -> Sync:
+        """``worker``'s backup (the weights it last pulled, host copies) and its data position."""
+        source = 0 if self.mode == "sync" else worker
+        params, model_state, version = self.store.backup(source)
+        params, model_state = jax.device_get((params, model_state))
+        return Sync(Weights(params, model_state, version), int(self.store.positions[source]))
+
+    def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
+        """Applies a push (or, in SSGD, the round it completes) and answers it."""
+        try:
+            if self.mode == "sync":
+                weights = self.store.push_round(worker, payload, version, model_state, timeout=self.timeout)
+            else:
+                weights = self.store.push(worker, payload, version, model_state).result(timeout=self.timeout)
+        except StaleRound as e:
+            return Answer("resync", None, str(e))
+        except StoreClosed as e:
+            return Answer("closed", None, str(e))
+        except BadPush as e:
+            return Answer("rejected", None, str(e))
+        with self._lock:
+            self._losses.append(float(loss))
+        if self.mode == "sync" and self.store.closed:  # that was the last round: nobody computes another one
+            return Answer("closed", None, self.store.status().error or "the store reached its number of updates")
+        return Answer("ok", Weights(*weights))
+
+    def progress(self) -> Progress:
+        """The store's status, the losses pushed since the last call and the snapshots taken since (handed over)."""
+        with self._lock:
+            losses, self._losses = self._losses, []
+        return Progress(self.store.status(), losses, self.store.take_snapshots())
+
+    def end(self, why: str) -> None:
+        """Ends the run without an error (a worker the run cannot go on without died): rounds off, store closed."""
+        self.store.abort_rounds(why)
+        self.store.close()
+
+    def fail(self, why: str) -> None:
+        """Stops the run with an error (the driver could not write metrics.jsonl)."""
+        self.store.fail(OSError(why))
+
+    def close(self) -> tuple[Progress, Any, Any]:
+        """Closes the store (final checkpoint); returns the last :meth:`progress` and the final weights."""
+        self.store.close()
+        return (self.progress(), *self.store.final_weights())

@@ -30,7 +30,8 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, delays, errors, exchange, rules, session
+from asgd_jax import checkpoint, delays, errors, exchange, rules, session, store, worker
+from asgd_jax import loss as loss_lib
 from asgd_jax.plan import Plan
 from asgd_jax.session import TrainConfig, TrainResult, WorkerStats
 
@@ -42,7 +43,7 @@ log = logging.getLogger("asgd_jax.trainer")
 
 
 def train(
-    loss_fn: Callable | exchange.Loss,
+    loss_fn: Callable | loss_lib.Loss,
     rule: optax.GradientTransformation,
     params: Any,
     data: Any,
@@ -72,14 +73,14 @@ def train(
     """
     config = TrainConfig() if config is None else config
     errors.require(isinstance(config, TrainConfig), "config", config, "pass an asgd_jax.trainer.TrainConfig")
-    loss = exchange.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
+    loss = loss_lib.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     plan = config.plan
     if plan.eval_every is not None and eval_fn is None:
         raise errors.ConfigError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
     ex = exchange.validate(loss, data, params, model_state, plan)
     devices = list(devices or jax.devices())
     if config.backend == "threads":
-        session.device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
+        worker.device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
     else:
         from asgd_jax.ray_backend import require_ray
 
@@ -87,6 +88,7 @@ def train(
     config = config.replace(resume=_resume_decision(config))
     # Everything that changes the weights: a resume with any of it different is refused (the trace would not replay).
     header = {
+        "num_workers": plan.workers,
         "mode": ex.mode,
         "n_sync": ex.n_sync,
         "batch_size": ex.batch_size,
@@ -97,6 +99,8 @@ def train(
         "rule": rules.fingerprint(rule, params),
         "data": _data_fingerprint(data),
     }
+    if config.resume and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
+        store.check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)
     if config.out is not None:
         _record_plan(config.out, plan)
@@ -155,7 +159,8 @@ def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
 
 
 def _resume_decision(config: TrainConfig) -> bool:
-    """Checks the output folder (a folder that can be written) and turns ``resume`` into a yes or no."""
+    """Checks the output folder (a folder that can be written) and turns ``resume`` into a yes or no: the one place a
+    run's resume is decided, for every backend."""
     if config.out is None:
         return False
     if os.path.exists(config.out) and not os.path.isdir(config.out):
@@ -176,6 +181,11 @@ def _resume_decision(config: TrainConfig) -> bool:
         raise errors.ConfigError(
             f"resume=True (--resume) but {config.out} holds no checkpoint: check --out, or pass --resume auto to start "
             "a fresh run when there is none."
+        )
+    if not config.resume and exists:  # never overwritten silently
+        raise errors.ConfigError(
+            f"out={config.out!r} (--out) already holds a checkpoint: pass resume=True (--resume) to continue that run, "
+            "or choose another output folder."
         )
     return exists if config.resume == "auto" else bool(config.resume)
 

@@ -31,8 +31,41 @@ def test_the_backends_share_the_session_and_never_import_each_other():
     for backend, other in (("threads", "ray_backend"), ("ray_backend", "threads")):
         imports = _imports(backend)
         assert "session" in imports and other not in imports and "trainer" not in imports, (backend, imports)
+        assert {"worker", "driver", "store"} <= imports, (backend, imports)  # the one loop, the one driver
     assert not ({"threads", "ray_backend", "trainer", "simulator"} & _imports("session"))
     assert "simulator" not in _imports("loader")  # the data order needs the order module, not the simulator
+
+
+def _defs(module: str) -> dict[str, ast.AST]:
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+
+
+def test_each_loop_is_written_once():
+    """The worker loop is :class:`asgd_jax.worker.Worker`'s and the monitor loop :func:`asgd_jax.driver.drive`'s: a
+    backend only starts a store and workers on its substrate (no loop that pushes, nor one that polls and logs)."""
+    for backend in ("threads", "ray_backend"):
+        source = (PACKAGE / f"{backend}.py").read_text()
+        tree = ast.parse(source)
+        for loop in (n for n in ast.walk(tree) if isinstance(n, ast.While | ast.For)):
+            body = ast.unparse(loop)
+            assert ".push(" not in body and ".record(" not in body and ".write(" not in body, (backend, body[:200])
+        for call in ("stack_batches", "worker_function", "MetricsLog.record", "metrics.write", "tqdm"):
+            assert call not in source, (backend, call)
+    assert "def run" in (PACKAGE / "worker.py").read_text() and "def drive" in (PACKAGE / "driver.py").read_text()
+
+
+def test_what_modules_tell_each_other_is_typed_not_string_keyed():
+    """A store's status, a worker's configuration and its stats are typed values: a typo is an AttributeError at once,
+    not a KeyError at the end of a long run."""
+    from asgd_jax import store, worker
+
+    assert store.StoreStatus._fields[:3] == ("applied", "rejected", "late")
+    assert dataclasses.is_dataclass(worker.WorkerSetup) and dataclasses.is_dataclass(asgd_jax.session.WorkerStats)
+    for module in ("threads", "ray_backend", "driver", "session"):  # (the store reads its checkpoint header: a file)
+        source = (PACKAGE / f"{module}.py").read_text()
+        for key in ("applied", "positions", "staleness_counts", "resumed_from", "num_workers", "local_lr"):
+            assert f'["{key}"]' not in source, (module, key)
 
 
 def _function_lengths():

@@ -113,26 +113,28 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one(tmp_
 
 
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch):
-    # Ctrl-C raises KeyboardInterrupt in the thread that runs train(), which sits in the monitor loop waiting on the
+    # Ctrl-C raises KeyboardInterrupt in the thread that runs train(), which sits in the driver's loop polling the
     # store. Simulated there (whatever thread the test runner uses), once worker 1 has asked for its 5th minibatch.
     original = asgd_jax.loader.ShardLoader.batch
-    original_wait = asgd_jax.store.ParameterStore.wait_closed
-    pressed = []
+    original_poll = asgd_jax.store.Endpoint.progress
+    pressed, slow = [], []
 
     def batch(self, j):
         if self.worker == 1 and j == 4:
             pressed.append(True)
-        if pressed:  # from then on data is slow, so the run cannot finish before the main thread reacts
+            slow.append(True)
+        if slow:  # from then on data is slow, so the run cannot finish before the main thread reacts
             time.sleep(0.2)
         return original(self, j)
 
-    def wait_closed(self, timeout):
+    def progress(self):
         if pressed:
+            pressed.clear()  # pressed once
             raise KeyboardInterrupt
-        return original_wait(self, timeout)
+        return original_poll(self)
 
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", batch)
-    monkeypatch.setattr(asgd_jax.store.ParameterStore, "wait_closed", wait_closed)
+    monkeypatch.setattr(asgd_jax.store.Endpoint, "progress", progress)
     with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
         train(
             lsq_loss,
@@ -146,7 +148,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
     assert 0 < stopped_at < 40  # the final checkpoint holds every applied update (no checkpoint_every was set)
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
     monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", original)
-    monkeypatch.setattr(asgd_jax.store.ParameterStore, "wait_closed", original_wait)
+    monkeypatch.setattr(asgd_jax.store.Endpoint, "progress", original_poll)
     result = train(
         lsq_loss,
         rule(),

@@ -2,6 +2,7 @@
 and a random start (the simulator's tests), and the simulator run on it."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +79,26 @@ class BatchOrder:
         idx = np.asarray(shard_indices(self.key, epoch, N, self.num_shards))[shard]
         idx = idx[k * self.batch_size : (k + 1) * self.batch_size]
         return NOISY["x"][idx].astype(np.float64), NOISY["y"][idx].astype(np.float64)
+
+
+class SlowColumn:
+    """A data column every read of which takes ``DELAY`` seconds (``np.asarray`` reads it, as a worker's loader does):
+    a slow data loader, injected into any backend (it travels to Ray's workers with the data)."""
+
+    DELAY = 0.05
+
+    def __init__(self, array):
+        self.array = np.asarray(array)
+
+    shape = property(lambda self: self.array.shape)
+    dtype = property(lambda self: self.array.dtype)
+
+    def __len__(self):
+        return len(self.array)
+
+    def __getitem__(self, index):
+        return self.array[index]
+
+    def __array__(self, dtype=None, copy=None):
+        time.sleep(self.DELAY)
+        return self.array if dtype is None else self.array.astype(dtype)

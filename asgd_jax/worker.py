@@ -1,0 +1,239 @@
+"""One worker's loop, written once: the same on a thread of this process and in a Ray actor.
+
+A worker starts from what the store knows about it (:class:`Sync`: its backup, the version it pulled and its data
+position), computes its exchange period on its device group, copies the payload to the host and pushes it through a
+:class:`StoreLink`, which answers with the fresh weights (its next pull) or says why not (:class:`Answer`). Only the
+link differs between substrates: in process it is the store's own :class:`asgd_jax.store.Endpoint`; on Ray it is a
+client of the store actor that turns a dead or restarting store into ``"resync"``.
+
+Asynchronous and SSGD workers run the same loop: an SSGD worker's push is its share of a round, answered when the
+round's mean has been applied.
+
+Example:
+  >>> from asgd_jax import worker
+  >>> worker.Answer("closed", None, "the store is closed after 10 updates").status
+  'closed'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asgd_jax import errors, exchange, session
+from asgd_jax import loss as loss_lib
+from asgd_jax.loader import ShardLoader
+
+__all__ = [
+    "ANSWERS",
+    "Answer",
+    "DeviceGroup",
+    "StoreLink",
+    "Sync",
+    "Weights",
+    "WorkInputs",
+    "Worker",
+    "WorkerSetup",
+    "device_groups",
+    "stack_batches",
+]
+
+log = logging.getLogger("asgd_jax.worker")
+
+ANSWERS = ("ok", "rejected", "closed", "resync")
+"""What a store answers a push with: applied (the fresh weights come back), rejected (NaN/Inf: re-sync and go on),
+closed (the run is over, or the store stopped) or resync (computed at weights the store no longer has: a restarted
+store, an SSGD round already past)."""
+
+
+class Weights(NamedTuple):
+    """Weights a worker computes at: the parameters, the model state and the version they were pulled at."""
+
+    params: Any
+    model_state: Any
+    version: int
+
+
+class Sync(NamedTuple):
+    """Where a worker (re)starts: its backup in the store and its data position (pushes applied or rejected)."""
+
+    weights: Weights
+    position: int
+
+
+class Answer(NamedTuple):
+    """A store's answer to a push (see :data:`ANSWERS`); ``weights`` for ``"ok"``, ``why`` otherwise."""
+
+    status: str
+    weights: Weights | None
+    why: str = ""
+
+
+class StoreLink(Protocol):
+    """What a worker needs from a store, on any substrate."""
+
+    def sync(self, worker: int) -> Sync:
+        """The worker's backup and data position."""
+
+    def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
+        """A payload computed at ``version``; blocks until it is applied (or the SSGD round is)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a worker is configured with, the same on every substrate.
+
+    Attributes:
+      worker: its id.
+      num_workers: M (the workers' shards and SSGD's split of the model key).
+      exchange: the run's exchange period (mode, n_sync, push, batch and shard sizes).
+      local_lr: the local steps' learning rate (``None`` without local steps).
+      seed: the run's seed (its key fixes the minibatch order and the model's randomness, the simulator's).
+      stateful: the loss carries a model state, pushed with the payload.
+      slowdown: a straggler computes this many times slower (1.0: not one).
+    """
+
+    worker: int
+    num_workers: int
+    exchange: exchange.Exchange
+    local_lr: float | None
+    seed: int
+    stateful: bool
+    slowdown: float = 1.0
+
+    @property
+    def key(self) -> jax.Array:
+        with jax.transfer_guard("allow"):
+            return jax.random.key(self.seed)
+
+
+class WorkInputs(NamedTuple):
+    """The arguments of :func:`asgd_jax.exchange.worker_function`'s function, in its order, placed on a group."""
+
+    params: Any
+    model_state: Any
+    batches: Any
+    model_key: jax.Array
+    version: jax.Array
+    worker: jax.Array
+
+
+class DeviceGroup:
+    """A worker's devices: the shardings of its mesh, and the run's model key placed on them once."""
+
+    def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array):
+        mesh = Mesh(np.array(devices), ("batch",))
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_sharded = NamedSharding(mesh, P(None, "batch"))
+        self.model_key = jax.device_put(model_key, self.replicated)
+
+    def place(self, worker: int, params, model_state, batches, version: int) -> WorkInputs:
+        """The inputs of :func:`asgd_jax.exchange.worker_function`'s function on this group; every host -> device
+        copy explicit."""
+        p, ms, v, i = jax.device_put((params, model_state, np.int32(version), np.int32(worker)), self.replicated)
+        return WorkInputs(p, ms, jax.device_put(batches, self.batch_sharded), self.model_key, v, i)
+
+
+def device_groups(devices: Sequence[jax.Device], per_worker: int) -> list[list[jax.Device]]:
+    """``devices`` cut into groups of ``per_worker`` (worker w owns group ``w mod len(groups)``)."""
+    per_worker = errors.positive_int("devices_per_worker", per_worker)
+    if per_worker > len(devices):
+        raise errors.ConfigError(
+            f"devices_per_worker={per_worker} but only {len(devices)} device(s) are available: use at most "
+            f"{len(devices)} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices)."
+        )
+    return [list(devices[i * per_worker : (i + 1) * per_worker]) for i in range(len(devices) // per_worker)]
+
+
+def stack_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """A worker's ``n_sync`` minibatches stacked on a leading axis (what the exchange period takes)."""
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+class Worker:
+    """One worker: its shard's minibatches, its exchange-period function jitted for its devices, and its loop.
+
+    Args:
+      setup: its configuration.
+      link: its store (:class:`StoreLink`).
+      loss: the run's :class:`asgd_jax.loss_lib.Loss`.
+      data: the training data (host arrays); the worker reads its own shard.
+      devices: its device group (its minibatch is split over them, the gradients averaged).
+    """
+
+    def __init__(self, setup: WorkerSetup, link: StoreLink, loss: loss_lib.Loss, data: Any, devices: list):
+        self.setup, self.link, self.data = setup, link, data
+        ex = setup.exchange
+        self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr)
+        self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
+
+    def _start(self) -> tuple[Weights, ShardLoader]:
+        """The weights to compute at and a loader at the data position, from what the store knows."""
+        s = self.setup
+        weights, position = self.link.sync(s.worker)
+        loader = ShardLoader(
+            self.data,
+            worker=s.worker,
+            num_workers=s.num_workers,
+            batch_size=s.exchange.batch_size,
+            key=s.key,
+            start_batch=position * s.exchange.n_sync,
+        )
+        return weights, loader
+
+    def _place(self, weights: Weights, batches: Any):
+        return self.group.place(self.setup.worker, weights.params, weights.model_state, batches, weights.version)
+
+    def warm_up(self) -> None:
+        """Compiles the exchange-period function on one of this worker's minibatches (before a run's clock starts)."""
+        weights, loader = self._start()
+        try:
+            batches = stack_batches([loader.batch(0)] * self.setup.exchange.n_sync)
+            jax.block_until_ready(self.work(*self._place(weights, batches)))
+        finally:
+            loader.close()
+
+    def run(self, stop: threading.Event | None = None) -> session.WorkerStats:
+        """Pushes until the store closes (or ``stop`` is set); returns where the worker's time went.
+
+        The stats mean the same on every substrate: ``data`` is the wait for minibatches, ``compute`` the exchange
+        period on the devices with its transfers (a straggler's extra time included), ``exchange`` the wait for the
+        store's answer, ``total`` all of the loop.
+        """
+        stop = stop or threading.Event()
+        s, stats = self.setup, session.WorkerStats()
+        weights, loader = self._start()
+        try:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
+                t1 = time.perf_counter()
+                payload, model_state, loss = jax.device_get(self.work(*self._place(weights, batches))[:3])
+                t2 = time.perf_counter()
+                if s.slowdown > 1.0:  # a straggler: its exchange period takes `slowdown` times as long
+                    stop.wait((s.slowdown - 1.0) * (t2 - t1))  # ... but it says goodbye at once
+                    t2 = time.perf_counter()
+                answer = self.link.push(s.worker, payload, weights.version, model_state if s.stateful else None, loss)
+                t3 = time.perf_counter()
+                stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=float(loss))
+                if answer.status == "ok":
+                    weights = answer.weights
+                elif answer.status == "closed":
+                    break
+                else:  # "rejected" (NaN/Inf: its minibatches are used up) or "resync": start again from the store
+                    if answer.status == "rejected":
+                        log.warning("worker %d: %s", s.worker, answer.why)
+                    loader.close()
+                    weights, loader = self._start()
+        finally:
+            loader.close()
+        return stats
