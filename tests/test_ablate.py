@@ -76,6 +76,7 @@ def test_seeded_ablation_gives_identical_numbers_twice(tiny_result):
     assert again.runs == tiny_result.runs
 
 
+@pytest.mark.xdist_group("ablate")
 def test_save_writes_json_csv_table_and_plot(tiny_result, tmp_path):
     paths = studies.save(tiny_result, tmp_path, plots=("panels",))
     summary = json.loads(pathlib.Path(paths["json"]).read_text())
