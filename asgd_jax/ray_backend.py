@@ -203,6 +203,7 @@ class _Ray:
         self.workers: dict[int, Any] = {}
         self.running: dict[Any, int] = {}
         self.said_goodbye: list[driver.Finished] = []  # the workers that ended as the store closed
+        self.kept: list[Any] = []  # the actors' constructor arguments, alive for their restarts
 
     def start(self, loss, rule, params, data, ex, model_state, header, evaluates: bool) -> store.StoreStatus:
         """The store actor (pinned to this node: the output folder is this machine's) and the worker actors, all
@@ -223,16 +224,16 @@ class _Ray:
                 max_task_retries=0,
                 scheduling_strategy=pin,
             )
-            .remote(rule, jax.device_get(params), c, header, jax.device_get(model_state), evaluates)
+            .remote(*self.keep(rule, jax.device_get(params), c, header, jax.device_get(model_state), evaluates))
         )
-        data_ref = ray.put(data)
+        (data_ref,) = self.keep(data)
         actor = ray.remote(WorkerActor)
         stateful = model_state is not None
         for w in range(self.m):
             setup = WorkerSetup(w, self.m, ex, c.plan.local_lr, c.seed, stateful, c.slowdown.get(w, 1.0))
             self.workers[w] = actor.options(
                 name=f"asgd-jax/{self.run_id}/worker-{w}", max_restarts=c.max_restarts, max_task_retries=0, **resources
-            ).remote(setup, self.store, loss, data_ref, c.devices_per_worker)
+            ).remote(*self.keep(setup, self.store, loss), data_ref, c.devices_per_worker)
         # The store up (and resumed) and every worker compiled before the clock starts, within a bound: an actor
         # the cluster has no room for would otherwise be waited for forever.
         self.patience = min(c.timeout, STARTUP_PATIENCE)
@@ -245,6 +246,15 @@ class _Ray:
                 log.warning("a worker's warm-up failed: %s", e)
         self.running = {a.run.remote(): w for w, a in self.workers.items()}
         return status
+
+    def keep(self, *args: Any) -> list[Any]:
+        """``args`` put in Ray's object store, their references held by this driver for the whole run: Ray restarts a
+        dead actor by calling its constructor again with the same arguments, which must still exist then (an argument
+        of any size: weights of a million parameters are not inlined into the call, and were freed once the first
+        constructor had run)."""
+        refs = [self.ray.put(a) for a in args]
+        self.kept.extend(refs)
+        return refs
 
     def _check_room(self, resources: dict[str, float]) -> None:
         """Fails at once when the cluster, even idle, cannot hold every worker actor (they would wait forever)."""

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import problems as lsq_problem
-from helpers.problems import DATA, W0, SlowColumn, lsq_loss, simulate_clean, train_config
+from helpers.problems import BIG, DATA, W0, SlowColumn, big_loss, lsq_loss, simulate_clean, train_config
 
 import asgd_jax
 from asgd_jax.plan import Plan
@@ -56,15 +56,15 @@ def replay(trace_path, steps, num=2):
     return simulate_clean(rule(), trace, steps).params
 
 
-def _train_in_thread(**kwargs):
+def _train_in_thread(loss=lsq_loss, params=W0, **kwargs):
     box = {"before": set(ray.util.list_named_actors())}  # actors of earlier runs may still be on their way out
 
     def target():
         try:
             box["result"] = train(
-                lsq_loss,
+                loss,
                 rule(),
-                W0,
+                params,
                 DATA,
                 train_config(2, batch_size=4, seed=3, backend="ray", timeout=LIMIT, **kwargs),
             )
@@ -227,6 +227,16 @@ def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     assert result.resumed_from > 0 and result.resumed_from % 10 == 0
     assert result.pushes_applied == 600 and not result.failures
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
+def test_a_killed_store_actor_with_a_million_weights_comes_back_from_its_checkpoint(local_ray, tmp_path):
+    """Ray restarts the store actor by calling its constructor again: its arguments (4 MB of weights, not inlined into
+    the call) must still be in the object store then. They were freed, and the run made no progress, saying nothing."""
+    thread, box = _train_in_thread(big_loss, BIG, num_updates=400, out=str(tmp_path), checkpoint_every=10)
+    _kill_when(tmp_path / "trace.jsonl", 100, "store", box)
+    result = _result(thread, box)
+    assert result.resumed_from > 0 and result.pushes_applied == 400 and not result.failures
+    assert result.params["big"].shape == (1_000_000,)
 
 
 def test_ctrl_c_on_ray_writes_a_final_checkpoint_and_resume_finishes_the_run(local_ray, tmp_path, monkeypatch):

@@ -42,6 +42,14 @@ def plan_and_options(delay_model, kwargs):
     return plan, {k: v for k, v in kwargs.items() if k not in PLAN_FIELDS}
 
 
+BIG = {"w": W0, "big": np.zeros(1_000_000, np.float32)}  # a million parameters more: 4 MB of weights
+
+
+def big_loss(params, batch):
+    """The noiseless problem's loss on ``BIG`` weights: what a store restarted with weights of real size must hold."""
+    return lsq_loss(params["w"], batch) + 0.0 * jnp.sum(params["big"])
+
+
 def train_config(workers: int, **kwargs) -> asgd_jax.TrainConfig:
     """A ``TrainConfig`` of ``Plan(workers, <the plan fields of kwargs>)`` and the rest of ``kwargs``."""
     plan = {k: v for k, v in kwargs.items() if k in PLAN_FIELDS}
