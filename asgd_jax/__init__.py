@@ -9,48 +9,117 @@ Example:
   >>> rule = asgd_jax.dc_asgd(learning_rate=0.1, lam=2.0, adaptive=True)
 """
 
-from asgd_jax import (
-    cache,
-    checkpoint,
-    data,
-    delays,
-    errors,
-    loss,
-    metrics,
-    models,
-    plan,
-    preprocess,
-    recipes,
-    rules,
-    schedules,
-    simulator,
-    trainer,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# The engines' own modules, importable as attributes (asgd_jax.store, ...) but not the public face.
-from asgd_jax import exchange as exchange
-from asgd_jax import loader as loader
-from asgd_jax import order as order
-from asgd_jax import server as server
-from asgd_jax import session as session
-from asgd_jax import store as store
-from asgd_jax.errors import ConfigError
-from asgd_jax.loss import Loss
-from asgd_jax.models import classification_eval, classification_loss
-from asgd_jax.plan import Plan
-from asgd_jax.rules import (
-    ScaleByDelayCompensationState,
-    asgd,
-    dc_asgd,
-    delay_adaptive_sgd,
-    drop_stale,
-    scale_by_delay_adaptive,
-    scale_by_delay_compensation,
-    scale_by_staleness,
-    staleness_aware_sgd,
-)
-from asgd_jax.simulator import SimState, SimulationResult, grid, simulate, sweep
-from asgd_jax.trainer import TrainConfig, train
+if TYPE_CHECKING:  # the names, for type checkers and readers; at run time they are imported when first used
+    from asgd_jax import (
+        cache,
+        checkpoint,
+        data,
+        delays,
+        errors,
+        loss,
+        metrics,
+        models,
+        plan,
+        preprocess,
+        recipes,
+        rules,
+        schedules,
+        simulator,
+        trainer,
+    )
+    from asgd_jax import exchange as exchange
+    from asgd_jax import loader as loader
+    from asgd_jax import order as order
+    from asgd_jax import server as server
+    from asgd_jax import session as session
+    from asgd_jax import store as store
+    from asgd_jax.errors import ConfigError
+    from asgd_jax.loss import Loss
+    from asgd_jax.models import classification_eval, classification_loss
+    from asgd_jax.plan import Plan
+    from asgd_jax.rules import (
+        ScaleByDelayCompensationState,
+        asgd,
+        dc_asgd,
+        delay_adaptive_sgd,
+        drop_stale,
+        scale_by_delay_adaptive,
+        scale_by_delay_compensation,
+        scale_by_staleness,
+        staleness_aware_sgd,
+    )
+    from asgd_jax.simulator import SimState, SimulationResult, grid, simulate, sweep
+    from asgd_jax.trainer import TrainConfig, train
+
+# Names are imported when first used (PEP 562), so that `import asgd_jax.cli` does not import JAX: the command line
+# sets up its Ctrl-C handling before JAX starts, whose garbage-collection callback would otherwise swallow an early
+# Ctrl-C (asgd_jax.interrupts). `asgd_jax.simulate` and `from asgd_jax import simulate` work as before.
+_NAMES = {
+    "ConfigError": "errors",
+    "Loss": "loss",
+    "classification_eval": "models",
+    "classification_loss": "models",
+    "Plan": "plan",
+    "ScaleByDelayCompensationState": "rules",
+    "asgd": "rules",
+    "dc_asgd": "rules",
+    "delay_adaptive_sgd": "rules",
+    "drop_stale": "rules",
+    "scale_by_delay_adaptive": "rules",
+    "scale_by_delay_compensation": "rules",
+    "scale_by_staleness": "rules",
+    "staleness_aware_sgd": "rules",
+    "SimState": "simulator",
+    "SimulationResult": "simulator",
+    "grid": "simulator",
+    "simulate": "simulator",
+    "sweep": "simulator",
+    "TrainConfig": "trainer",
+    "train": "trainer",
+}
+_MODULES = {
+    "cache",
+    "checkpoint",
+    "data",
+    "delays",
+    "errors",
+    "loss",
+    "metrics",
+    "models",
+    "plan",
+    "preprocess",
+    "recipes",
+    "rules",
+    "schedules",
+    "simulator",
+    "trainer",
+    # The engines' own modules, importable as attributes (asgd_jax.store, ...) but not the public face.
+    "exchange",
+    "loader",
+    "order",
+    "server",
+    "session",
+    "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"asgd_jax.{_NAMES[name]}"), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"asgd_jax.{name}")
+    else:
+        raise AttributeError(f"module 'asgd_jax' has no attribute {name!r}")
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES) | _MODULES)
+
 
 __version__ = "0.1.0"
 

@@ -117,6 +117,7 @@ def _ablate(args: argparse.Namespace) -> int:
             list(overrides["workers"]),
             "give worker counts >= 1 (--workers 1 4 8)",
         )
+    errors.output_folder("out", args.out, "--out")  # before the work, not after it
     print(
         f"asgd-jax ablate: {args.dataset}/{args.model}, M in {list(overrides['workers'])}, "
         f"{'quick' if args.quick else 'full'} form; loading data and compiling...",
@@ -261,20 +262,53 @@ def load_config(path: str, actions: Sequence[argparse.Action]) -> dict[str, Any]
             values = json.load(f) if path.endswith(".json") else tomllib.load(f)
     except FileNotFoundError:
         raise errors.ConfigError(f"--config {path}: no such file.") from None
+    except OSError as e:  # a folder, a file that cannot be read
+        raise errors.ConfigError(f"--config {path} cannot be read ({e.strerror}): give a TOML or JSON file.") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise errors.ConfigError(f"--config {path} does not parse: {e}") from None
-    flags: dict[str, tuple[str, bool]] = {}  # option name -> (destination, negated)
+    if not isinstance(values, dict):
+        raise errors.ConfigError(f"--config {path} holds {type(values).__name__}: give a table of flag = value.")
+    flags: dict[str, tuple[argparse.Action, bool]] = {}  # option name -> (its action, negated)
     for action in actions:
         for option in action.option_strings:
             name = option.lstrip("-").replace("-", "_")
-            flags[name] = (action.dest, name.startswith("no_") and isinstance(action, argparse.BooleanOptionalAction))
-    flags = {k: v for k, v in flags.items() if v[0] != "config"}
+            flags[name] = (action, name.startswith("no_") and isinstance(action, argparse.BooleanOptionalAction))
+    flags = {k: v for k, v in flags.items() if v[0].dest != "config"}
     given = {k.replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(given) - set(flags))
     if unknown:
         known = ", ".join(sorted(flags))
         raise errors.ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use: {known}.")
-    return {flags[k][0]: (not v if flags[k][1] else v) for k, v in given.items()}
+    out = {}
+    for k, v in given.items():
+        action, negated = flags[k]
+        v = _config_value(path, k, action, v)
+        out[action.dest] = not v if negated else v
+    return out
+
+
+def _config_value(path: str, name: str, action: argparse.Action, value: Any) -> Any:
+    """A config file's value for ``action``'s flag, type-checked as the command line would parse it."""
+    is_number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        ok, expected = isinstance(value, bool), "true or false"
+    elif action.type is _resume_flag:
+        ok, expected = value in (True, False, "auto"), "true, false or 'auto'"
+    elif action.type is int:
+        ok, expected = errors.is_int(value), "an int"
+    elif action.type is float:
+        ok, expected = is_number(value), "a number"
+    elif action.nargs in ("+", "*"):
+        value = value if isinstance(value, list) else [value]
+        ok, expected = all(isinstance(v, str) or is_number(v) for v in value), "a list of values"
+        value = [str(v) for v in value]
+    else:
+        ok, expected = isinstance(value, str), "a string"
+    if ok and action.choices is not None and not isinstance(value, list):
+        ok, expected = value in action.choices, "one of " + ", ".join(map(repr, action.choices))
+    if not ok:
+        raise errors.ConfigError(f"--config {path}: {name} = {value!r} is invalid: give {expected}.")
+    return value
 
 
 # The Plan fields that are flags of `train` under their own names (its delays are --workers M; chunk is the
@@ -327,6 +361,8 @@ def _rule(args: argparse.Namespace):
 def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
     """Adds the command line's flags to the run's ``summary.json`` (if the run wrote one); returns the summary."""
     path = os.path.join(out, "summary.json")
+    if not os.path.exists(path):  # stopped before the session began: there is no summary to add to
+        return {}
     try:
         with open(path) as f:
             summary = json.load(f)
@@ -347,7 +383,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"asgd-jax train: loading {args.dataset} and building {args.model}...", flush=True)
     import jax
 
-    from asgd_jax import checkpoint, data, models, trainer
+    from asgd_jax import checkpoint, data, models, session, trainer
 
     ds = data.load(args.dataset, data_dir=args.data_dir)
     model = models.get(args.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
@@ -376,12 +412,20 @@ def _train(args: argparse.Namespace) -> int:
             eval_fn=models.classification_eval(model, ds.test),
         )
     except KeyboardInterrupt as e:
-        print(f"asgd-jax: {e} (checkpoint in {config.out}; add --resume to continue)", file=sys.stderr)
         _add_args_to_summary(config.out, args)
+        if os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
+            print(
+                f"asgd-jax: {e or 'interrupted'} (checkpoint in {config.out}; add --resume to continue)",
+                file=sys.stderr,
+            )
+        else:
+            print("asgd-jax: interrupted before the first checkpoint: nothing to resume", file=sys.stderr)
         return 130
     except errors.RunStopped as e:
         _add_args_to_summary(config.out, args)
-        print(f"asgd-jax: {e}. The last good checkpoint and summary.json are in {config.out}.", file=sys.stderr)
+        saved = os.path.exists(os.path.join(config.out, session.CHECKPOINT))
+        kept = "The last good checkpoint and" if saved else "No checkpoint had been written yet;"
+        print(f"asgd-jax: {e}. {kept} summary.json {'are' if saved else 'is'} in {config.out}.", file=sys.stderr)
         return 1
     summary = _add_args_to_summary(config.out, args)
     error = f"{100 * result.evals[-1]['error']:.2f}%" if result.evals else "n/a"
@@ -443,9 +487,11 @@ def _run_study(args: argparse.Namespace) -> int:
     if args.list or not args.study:
         for name in studies.available():
             print(f"{name:24s} {studies.load(name).title}")
-        return 0 if args.list else 2
+        if args.list:
+            return 0
+        raise errors.ConfigError("asgd-jax run needs a study: one of the names above, or a path to a study .py file")
     study = studies.load(args.study)
-    out = args.out or f"results/{study.name}"
+    out = errors.output_folder("out", args.out or f"results/{study.name}", "--out")  # before the work
     settings = study.quick if args.quick else study.full
     if args.seeds is not None:  # a shorter look at a long study: fewer seeds, fewer epochs
         settings = dataclasses.replace(
@@ -509,26 +555,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asgd-jax``; returns the exit status."""
+    from asgd_jax import interrupts  # imports nothing of JAX: the handler is in place before JAX starts
+
+    with interrupts.watch():  # a Ctrl-C at any moment stops the command, even one JAX's gc callback swallowed
+        try:
+            interrupts.check()
+            return _main(argv)
+        except KeyboardInterrupt:
+            print("asgd-jax: interrupted", file=sys.stderr)
+            return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="asgd-jax: %(levelname)s: %(name)s: %(message)s")
-    from asgd_jax import cache
+    from asgd_jax import cache, interrupts
 
     cache.enable()  # compiled programs kept across runs ($ASGD_JAX_CACHE_DIR moves it, =off disables it)
     try:
         if getattr(args, "config", None):  # file values become the defaults; flags on the command line still win
             args.parser.set_defaults(**load_config(args.config, args.actions))
             args = parser.parse_args(argv)
+        interrupts.check()  # one that arrived while JAX started
         return args.func(args)
     except errors.ConfigError as e:  # a user's mistake: what and how to fix it, no traceback
         print(f"asgd-jax: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("asgd-jax: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -24,7 +24,16 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["clear_cache", "EMBEDDED", "Dataset", "DatasetNotPrepared", "load", "prepare", "tfds_source"]
+__all__ = [
+    "EMBEDDED",
+    "Dataset",
+    "DatasetNotPrepared",
+    "check_network",
+    "clear_cache",
+    "load",
+    "prepare",
+    "tfds_source",
+]
 
 TFDS_DOCUMENTED = ("cifar10", "mnist", "fashion_mnist", "imagenet2012")
 
@@ -269,6 +278,9 @@ def load(
       >>> ds.x_train.shape, ds.x_test.shape, ds.num_classes
       ((1438, 8, 8, 1), (359, 8, 8, 1), 10)
     """
+    errors.require(
+        isinstance(name, str), "dataset", name, f"give a dataset name: {', '.join(sorted(EMBEDDED))} or tfds:<name>"
+    )
     if name.startswith("tfds:"):
         return _tfds_dataset(name, _default_data_dir(data_dir), train_split, test_split)
     if name not in EMBEDDED:
@@ -293,11 +305,38 @@ def prepare(
     Returns:
       The folder the dataset was written to.
     """
-    tfds = _tfds()
+    errors.require(isinstance(name, str) and name.strip() != "", "name", name, "give a TFDS name, e.g. 'mnist'")
     ds_name, config = _parse_tfds(name if name.startswith("tfds:") else f"tfds:{name}")
     full = ds_name if config is None else f"{ds_name}/{config}"
-    data_dir = _default_data_dir(data_dir)
+    data_dir = errors.output_folder("data_dir", _default_data_dir(data_dir), "--data-dir")
+    if manual_dir is None:  # a manual download needs no network for its archives
+        check_network(full, data_dir)
+    tfds = _tfds()
     builder = _builder(tfds, full, data_dir)
     download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir) if manual_dir else None)
     builder.download_and_prepare(file_format="array_record", download_config=download_config)
     return builder.data_dir
+
+
+# TFDS asks its storage bucket for a prepared copy of every dataset first: if that host does not answer within seconds,
+# TFDS's own retries would take minutes to say so.
+NETWORK_PROBE = ("storage.googleapis.com", 443)
+
+
+def check_network(name: str, data_dir: str, timeout: float = 5.0) -> None:
+    """Fails within ``timeout`` seconds, with what to do offline, when the host TFDS downloads from cannot be reached.
+
+    Raises:
+      ConfigError: naming the dataset, the host and the way to prepare it offline.
+    """
+    import socket
+
+    try:
+        socket.create_connection(NETWORK_PROBE, timeout=timeout).close()
+    except OSError as e:
+        raise errors.ConfigError(
+            f"preparing {name!r} downloads it, but this machine cannot reach the network ({NETWORK_PROBE[0]}: "
+            f"{e.strerror or type(e).__name__}). Offline: run `asgd-jax data prepare {name} --data-dir DIR` on a "
+            f"machine with network, copy DIR here and pass --data-dir DIR (now {data_dir}); the embedded datasets "
+            "(digits, mnist1d) need no download."
+        ) from None

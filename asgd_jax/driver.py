@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any, NamedTuple, Protocol
 
-from asgd_jax import session
+from asgd_jax import interrupts, session
 from asgd_jax.session import TrainConfig, WorkerStats
 
 __all__ = ["GOODBYE", "Backend", "Finished", "drive", "logs"]
@@ -190,6 +190,7 @@ class _Run:
         running = set(range(c.plan.workers))
         deadline, next_log = self.start + c.timeout, self.start + c.log_every
         while running:
+            interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             if time.perf_counter() >= deadline:
                 return True
             for finished in self.backend.wait(min(0.25, c.log_every)):

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "finite_number",
     "int_at_least",
     "is_int",
+    "output_folder",
     "positive_int",
     "require",
 ]
@@ -92,3 +94,22 @@ def choice(name: str, value: Any, choices: Iterable[str], flag: str | None = Non
     choices = list(choices)
     require(value in choices, name, value, f"use one of {', '.join(map(repr, choices))}", flag)
     return value
+
+
+def output_folder(name: str, path: Any, flag: str | None = None) -> str:
+    """``path`` as a folder that exists and can be written (made if missing), checked before any work that would write
+    into it: a file there, an unwritable place or a path that is not a string is a :class:`ConfigError`."""
+    require(isinstance(path, str | os.PathLike) and os.fspath(path) != "", name, path, "give a folder path", flag)
+    path = os.fspath(path)
+    where = f" ({flag})" if flag else ""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{name}={path!r}{where} is a file: give a folder.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".asgd_jax_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{name}={path!r}{where} cannot be written ({e.strerror}): choose another folder.") from None
+    return path

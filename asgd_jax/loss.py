@@ -94,8 +94,14 @@ class Loss:
                 batch,
                 key,
             )
-        except TypeError as e:
-            raise errors.ConfigError(f"the loss does not take the declared form {self.form}: {e}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, TypeError) and _is_call_error(e):
+                raise errors.ConfigError(f"the loss does not take the declared form {self.form}: {e}") from None
+            raise errors.ConfigError(
+                f"the loss fails on the shapes it is given: the weights are {_shapes(params)} and a minibatch is "
+                f"{_shapes(batch)} ({type(e).__name__}: {str(e).splitlines()[0]}). Make the data's shapes fit the "
+                "weights (the model's input shape, the label's shape)."
+            ) from None
         loss, rest = (out, None) if not (self.has_model_state or self.has_aux) else _pair(out, self.form)
         problem = None
         if jnp.shape(loss) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -116,6 +122,21 @@ class Loss:
                 f"the loss does not return what its declared form {self.form} says: {problem}. Declare the form it "
                 "has (asgd_jax.Loss(fn, has_model_state=..., has_aux=...), or has_aux= in simulate)."
             )
+
+
+def _is_call_error(e: TypeError) -> bool:
+    """Whether a ``TypeError`` is about how the loss is called (its arguments), not about the arrays it computes on."""
+    text = str(e)
+    return "positional argument" in text or "keyword argument" in text or "not callable" in text
+
+
+def _shapes(tree: Any) -> str:
+    """A pytree's leaves as ``dtype[shape]``, keyed by path: what a shape error message names."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    described = [
+        f"{jax.tree_util.keystr(path) or 'array'}: {jnp.result_type(x)}{list(jnp.shape(x))}" for path, x in leaves
+    ]
+    return "{" + ", ".join(described[:8]) + (", ..." if len(described) > 8 else "") + "}"
 
 
 def _pair(out: Any, form: str) -> tuple[Any, Any]:

@@ -861,7 +861,7 @@ def required(name: str) -> list[str]:
 
 
 def _factory(name: str) -> Callable[..., optax.GradientTransformationExtraArgs]:
-    if name not in RULES:
+    if not isinstance(name, str) or name not in RULES:
         raise errors.ConfigError(f"rule={name!r} is invalid: use one of {', '.join(RULES)}.")
     return RULES[name]
 

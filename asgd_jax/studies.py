@@ -1004,10 +1004,11 @@ def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, h
         raise errors.ConfigError(
             f"no results.json under {folder}: run `asgd-jax run <study> --out {folder}/<study>` first."
         )
-    out = pathlib.Path(out) if out is not None else folder / "report.md"
     parts = ["# asgd_jax reproduction report", ""] + ([header, ""] if header else [])
+    out = pathlib.Path(out) if out is not None else folder / "report.md"
+    errors.output_folder("out", out.parent, "--out")
     for path in found:
-        payload = json.loads(path.read_text())
+        payload = _read_results(path)
         s = payload["settings"]
         form = "quick" if payload["quick"] else "full"
         parts += [
@@ -1027,3 +1028,28 @@ def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, h
         parts.append("")
     out.write_text("\n".join(parts))
     return str(out)
+
+
+# What report() reads of a results.json, and of its settings.
+_RESULT_KEYS = ("settings", "quick", "title", "study", "reproduces", "seconds", "table")
+_SETTINGS_KEYS = ("dataset", "model", "seeds", "epochs", "batch_size", "learning_rate", "schedule")
+
+
+def _read_results(path: pathlib.Path) -> dict[str, Any]:
+    """A study's ``results.json``, or a :class:`~asgd_jax.errors.ConfigError` saying what is wrong with it (cut short,
+    not JSON, not a study's results)."""
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise errors.ConfigError(
+            f"{path} is not a readable results file ({type(e).__name__}: {e}): run the study again into its folder."
+        ) from None
+    missing = [k for k in _RESULT_KEYS if not isinstance(payload, dict) or k not in payload]
+    if not missing and isinstance(payload["settings"], dict):
+        missing = [f"settings.{k}" for k in _SETTINGS_KEYS if k not in payload["settings"]]
+    if missing or not isinstance(payload.get("settings"), dict):
+        raise errors.ConfigError(
+            f"{path} is not a study's results (it lacks {', '.join(missing) or 'settings'}): run the study again "
+            "into its folder."
+        )
+    return payload

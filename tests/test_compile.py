@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import warnings
 
@@ -13,30 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.compiles import compilations
 from helpers.problems import NOISY as DATA
 from helpers.problems import W1 as W0
 from helpers.problems import B, lsq_loss
 
 import asgd_jax
 from asgd_jax import delays, rules
-
-COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def compilations():
-    """Counts the programs XLA compiles inside the block, by name (``simulator_chunk``, ...)."""
-    counts: collections.Counter = collections.Counter()
-
-    def listen(event, duration, **kwargs):
-        if event == COMPILE:
-            counts[kwargs.get("fun_name", "?").removeprefix("jit(").removesuffix(")")] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _simulator(counts) -> dict[str, int]:
