@@ -40,12 +40,15 @@ class Event(NamedTuple):
       pull_slot: slot that records a snapshot of the new weights after the update (int32).
       shard: data shard the pushing worker reads (int32).
       time: virtual time of the update (float32).
+      skip: minibatch periods the shard skips before this push (int32): a replayed trainer run's pushes rejected as
+        NaN/Inf, which used up their minibatches and changed no weight (:class:`Trace`); 0 for every drawn model.
     """
 
     push_slot: jax.Array
     pull_slot: jax.Array
     shard: jax.Array
     time: jax.Array
+    skip: Any = 0
 
 
 def is_delay_model(value: Any) -> bool:
@@ -106,12 +109,20 @@ def _check_int(name: str, value: Any, lowest: int) -> None:
         raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be an int >= {lowest}.")
 
 
-def _check_array(name: str, value: Any, ok, expected: str) -> None:
-    if value is None or not _is_concrete(value):
+def _check_array(name: str, value: Any, ok, expected: str, per_update: bool = False) -> None:
+    """A number of a delay model (or, ``per_update``, an optional 1-D array of them): finite, ``ok``, not a bool.
+    Traced values (a sweep's) are checked by the caller that made them."""
+    if (value is None and per_update) or not _is_concrete(value):
         return
-    numeric = not isinstance(value, bool | str) and np.issubdtype(np.asarray(value).dtype, np.number)
-    if not numeric or not bool(np.all(np.isfinite(np.asarray(value)) & ok(np.asarray(value)))):
-        raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be a finite number {expected}.")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        array = np.asarray(None)
+    numeric = array.dtype != bool and np.issubdtype(array.dtype, np.number)
+    fits = array.ndim == 1 and array.size > 0 if per_update else array.ndim == 0
+    if not (numeric and fits) or not bool(np.all(np.isfinite(array) & ok(array))):
+        what = "a 1-D list of ints" if per_update else "a finite number"
+        raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be {what} {expected}.")
 
 
 class Workers:
@@ -160,6 +171,8 @@ class Workers:
         _check_array("comm_time", self.comm_time, lambda v: v >= 0, ">= 0")
         if self.speeds is not None and _is_concrete(self.speeds):
             try:
+                if any(isinstance(v, bool | np.bool_ | str | bytes) for v in np.ravel(np.asarray(self.speeds, object))):
+                    raise TypeError("speeds that are no numbers")
                 speeds = np.asarray(self.speeds, np.float32)
             except (TypeError, ValueError):
                 speeds = np.zeros(0)
@@ -235,6 +248,9 @@ class Trace:
       worker_ids: the pushing worker of every update, ints in ``[0, num)``.
       num: number of workers (static); defaults to ``max(worker_ids) + 1``.
       times: optional virtual (or wall-clock) time of every update; defaults to ``1, 2, 3, ...``.
+      skips: optional, per update: the pushing worker's pushes rejected (NaN/Inf) since its previous applied one. Each
+        used up that worker's minibatches without changing a weight, so the replay skips as many exchange periods of
+        its shard (``Trace.load`` reads them from the trace's rejected records).
 
     Example:
       >>> import asgd_jax
@@ -246,8 +262,10 @@ class Trace:
     worker_ids: Any
     times: Any = None
     num: int | None = None
+    skips: Any = None
 
     def __post_init__(self):
+        _check_array("skips", self.skips, lambda s: s >= 0, ">= 0 per update", per_update=True)
         ids = self.worker_ids
         if _is_concrete(ids):
             ids = np.asarray(ids)
@@ -265,10 +283,13 @@ class Trace:
                 )
             object.__setattr__(self, "num", int(num))
             object.__setattr__(self, "worker_ids", ids.astype(np.int32))
-            if self.times is not None and np.shape(self.times) != ids.shape:
-                raise errors.ConfigError(
-                    f"times has shape {np.shape(self.times)}: give one time per worker id {ids.shape}."
-                )
+            for name in ("times", "skips"):
+                if getattr(self, name) is not None and np.shape(getattr(self, name)) != ids.shape:
+                    raise errors.ConfigError(
+                        f"{name} has shape {np.shape(getattr(self, name))}: give one per worker id {ids.shape}."
+                    )
+            if self.skips is not None:
+                object.__setattr__(self, "skips", np.asarray(self.skips).astype(np.int32))
         elif self.num is None:
             raise errors.ConfigError("Trace(worker_ids=<traced>) needs num= given explicitly.")
 
@@ -291,11 +312,13 @@ class Trace:
         del key, n_sync
         worker = jnp.asarray(self.worker_ids, jnp.int32)[t]
         times = (t + 1).astype(jnp.float32) if self.times is None else jnp.asarray(self.times, jnp.float32)[t]
-        return state, Event(worker, worker, worker, times)
+        skip = 0 if self.skips is None else jnp.asarray(self.skips, jnp.int32)[t]
+        return state, Event(worker, worker, worker, times, skip)
 
     @classmethod
     def load(cls, path: str | os.PathLike, num: int | None = None) -> Trace:
-        """Reads a trainer's ``trace.jsonl`` (:func:`asgd_jax.trace.read`: one record per applied push).
+        """Reads a trainer's ``trace.jsonl`` (:func:`asgd_jax.trace.read`: one record per applied or rejected push; a
+        rejected one becomes a skip of its worker's next applied push).
 
         The number of workers is ``num``, or else the one the records say (a worker that never pushed still counts);
         a half-written last line (a killed run) is left out.
@@ -303,7 +326,7 @@ class Trace:
         from asgd_jax import trace  # the trace format's owner (it imports nothing of the engines)
 
         read = trace.read(path)
-        return cls(read.workers, read.times, num if num is not None else read.num)
+        return cls(read.workers, read.times, num if num is not None else read.num, read.skips)
 
 
 Trace = _pytree_dataclass(Trace, meta=("num",))

@@ -30,6 +30,7 @@ __all__ = [
     "Evaluator",
     "MetricsLog",
     "Outcome",
+    "RunLock",
     "TrainConfig",
     "TrainResult",
     "WorkerStats",
@@ -43,6 +44,58 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 TRACE = trace.FILE
 CHECKPOINT = "checkpoint.npz"
+LOCK = ".lock"
+
+
+class RunLock:
+    """A run folder is owned by one process at a time: an exclusive ``flock`` on ``<out>/.lock`` for the run's length.
+
+    Entering makes the folder (it must be one that can be written) and takes the lock, or raises a
+    :class:`~asgd_jax.errors.ConfigError` naming the process that holds it. The operating system drops the lock when
+    that process ends, however it ends (``kill -9`` included), so a dead run never blocks its resume.
+
+    Example:
+      >>> import tempfile
+      >>> from asgd_jax.session import RunLock
+      >>> out = tempfile.mkdtemp()
+      >>> with RunLock(out):
+      ...     try:
+      ...         RunLock(out).__enter__()
+      ...     except ValueError as e:
+      ...         print(str(e).split("(process")[0])
+      out=... (--out) is in use by another run
+    """
+
+    def __init__(self, out: str | os.PathLike):
+        self.out = os.fspath(out)
+        self._file = None
+
+    def __enter__(self) -> RunLock:
+        import fcntl
+
+        out = errors.output_folder("out", self.out, "--out")
+        f = open(os.path.join(out, LOCK), "a+")  # held until __exit__
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise errors.ConfigError(
+                f"out={out!r} (--out) is in use by another run (process {holder}): wait for it to end, or choose "
+                "another folder."
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._file = f
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file drops the lock
+            self._file = None
 
 
 BACKENDS = ("threads", "ray")
@@ -164,6 +217,20 @@ class TrainConfig:
             errors.require(not self.resume, "resume", self.resume, "a resume needs out (--out)", flag("resume"))
         errors.require(self.resume in (True, False, "auto"), "resume", self.resume, "use True, False or 'auto'")
         errors.require(isinstance(self.progress, bool), "progress", self.progress, "use True or False", "--progress")
+        errors.require(
+            self.ray_address is None or isinstance(self.ray_address, str),
+            "ray_address",
+            self.ray_address,
+            "give a Ray address such as 'auto' or 'host:6379', or None for a local instance",
+            "--ray-address",
+        )
+        errors.require(
+            self.slowdown is None or isinstance(self.slowdown, Mapping),
+            "slowdown",
+            self.slowdown,
+            f"give {{worker in [0, {plan.workers}): factor >= 1}}",
+            "--slowdown W:F",
+        )
         slowdown = dict(self.slowdown or {})
         for w, factor in slowdown.items():
             ok = isinstance(w, int) and 0 <= w < plan.workers and isinstance(factor, int | float) and factor >= 1
@@ -172,7 +239,8 @@ class TrainConfig:
             )
         object.__setattr__(self, "slowdown", slowdown)
         if self.out is not None:
-            errors.require(isinstance(self.out, str | os.PathLike), "out", self.out, "give a folder path", "--out")
+            ok = isinstance(self.out, str | os.PathLike) and os.fspath(self.out) != ""
+            errors.require(ok, "out", self.out, "give a folder path", "--out")
             object.__setattr__(self, "out", os.fspath(self.out))
 
     def replace(self, **changes: Any) -> TrainConfig:

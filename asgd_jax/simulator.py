@@ -50,7 +50,7 @@ import optax
 
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
-from asgd_jax import errors, exchange, order, recipes, server
+from asgd_jax import errors, exchange, interrupts, order, recipes, server
 from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.plan import Plan
@@ -257,8 +257,13 @@ def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array
     def one(carry, xs):
         t, k, i = xs
         delay_state, event = c.delays.next(carry[0], t, k, n_sync)
-        counters = carry[1][event.shard] + jnp.arange(n_sync, dtype=jnp.int32)
-        return _keep(valid, i, (delay_state, carry[1].at[event.shard].add(n_sync)), carry), (event, counters)
+        # A replayed push rejected as NaN/Inf used up its minibatches: the shard moves past them (a drawn model's
+        # skip is the literal 0, which leaves the program as it was).
+        counters, used = carry[1][event.shard] + jnp.arange(n_sync, dtype=jnp.int32), n_sync
+        if not (isinstance(event.skip, int) and event.skip == 0):
+            counters, used = counters + event.skip * n_sync, (1 + event.skip) * n_sync
+        taken = carry[1].at[event.shard].add(used)
+        return _keep(valid, i, (delay_state, taken), carry), (event._replace(skip=None), counters)
 
     rows = jnp.arange(ts.shape[0], dtype=jnp.int32)
     (delay_state, taken), (events, counters) = jax.lax.scan(one, (state.delay, state.data.taken), (ts, k_delays, rows))
@@ -369,7 +374,18 @@ def _evaluate(evaluate, state: SimState, eval_data: Any) -> dict[str, jax.Array]
         raise errors.ConfigError(
             f"eval_fn returned {type(out).__name__}, not a dict of scalars: return e.g. {{'error': error}}."
         )
+    shapes = {k: jnp.shape(v) for k, v in out.items()}
+    errors.require(
+        all(shape == () for shape in shapes.values()),
+        "eval_fn",
+        _eval_fn_name(evaluate),
+        f"it returned arrays of shapes {shapes}: return a dict of scalars, e.g. {{'error': error}}",
+    )
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def _eval_fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _dynamic_scan(step: Callable, carry: Any, xs: Any, n: jax.Array) -> tuple[Any, Any]:
@@ -646,9 +662,23 @@ def _check_on_nonfinite(policy: Any) -> str:
     return errors.choice("on_nonfinite", policy, NONFINITE)
 
 
+def _check_options(on_nonfinite: Any, checkpoint_dir: Any, progress: Any) -> None:
+    _check_on_nonfinite(on_nonfinite)
+    _check_checkpoint_dir(checkpoint_dir)
+    _check_progress(progress)
+
+
+def _check_progress(progress: Any) -> bool:
+    errors.require(isinstance(progress, bool | np.bool_), "progress", progress, "use True or False")
+    return bool(progress)
+
+
 def _check_checkpoint_dir(checkpoint_dir: Any) -> str | None:
     if checkpoint_dir is None:
         return None
+    errors.require(
+        isinstance(checkpoint_dir, str | os.PathLike), "checkpoint_dir", checkpoint_dir, "give a folder path (or None)"
+    )
     path = os.fspath(checkpoint_dir)
     errors.require(
         not os.path.exists(path) or os.path.isdir(path),
@@ -802,6 +832,11 @@ def _compile_updates(program: _Program, c: _Call) -> None:
 
 
 def _run(program: _Program, call: _Call) -> SimulationResult:
+    with interrupts.watch():
+        return _chunks(program, call)
+
+
+def _chunks(program: _Program, call: _Call) -> SimulationResult:
     plan, axis = call.plan, (1 if call.batched else 0)
     args = (call.keys, call.hparams, call.numbers)
     path = None if call.checkpoint_dir is None else os.path.join(call.checkpoint_dir, "simulator.npz")
@@ -822,6 +857,7 @@ def _run(program: _Program, call: _Call) -> SimulationResult:
     warned = [False]
     try:
         while so_far.done < plan.num_updates:
+            interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             length = min(chunk, plan.num_updates - so_far.done)
             end = so_far.done + length
             evaluate = np.bool_(program.evaluates and (end % every == 0 or end == plan.num_updates))
@@ -981,6 +1017,7 @@ def simulate(
       True
     """
     plan = _check_plan(plan)
+    _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
     key = _check_key("key", jax.random.key(0) if key is None else key, batched=False)
     _check_rule(rule)
     delays_source, delay_numbers = _plan_delays(plan)
@@ -998,7 +1035,7 @@ def simulate(
         batched=False,
         on_nonfinite=_check_on_nonfinite(on_nonfinite),
         checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
-        progress=bool(progress),
+        progress=_check_progress(progress),
         callback=callback,
         description="simulate",
     )
@@ -1127,9 +1164,10 @@ def prepare_sweep(
     ahead, e.g. on a background thread while another sweep runs.
     """
     plan = _check_plan(plan)
+    _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
     keys = _check_key("keys", keys, batched=True)
     num_runs = int(keys.shape[0])
-    hparams = _check_hparams(hparams, num_runs)
+    hparams = _check_hparams(hparams, num_runs, per_run_arrays=delays_fn is not None)
     first = {k: np.asarray(v)[0] for k, v in hparams.items()}  # on the host: no device work to check a rule
     if delays_fn is None:
         delays_source, delay_numbers = _plan_delays(plan)
@@ -1160,7 +1198,7 @@ def prepare_sweep(
         batched=True,
         on_nonfinite=_check_on_nonfinite(on_nonfinite),
         checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
-        progress=bool(progress),
+        progress=_check_progress(progress),
         callback=callback,
         description=description or f"sweep x{num_runs}",
     )
@@ -1170,7 +1208,9 @@ def prepare_sweep(
 sweep.__signature__ = inspect.signature(prepare_sweep).replace(return_annotation=SimulationResult)
 
 
-def _check_hparams(hparams: Any, num_runs: int) -> dict[str, jax.Array]:
+def _check_hparams(hparams: Any, num_runs: int, per_run_arrays: bool = False) -> dict[str, jax.Array]:
+    """One finite number per run for every hyperparameter ([R]); with a ``delays_fn`` a run's value may be an array
+    ([R, ...], e.g. per-worker speeds)."""
     if hparams is None:
         return {}
     errors.require(isinstance(hparams, Mapping), "hparams", hparams, "give a dict of [R] arrays (see asgd_jax.grid)")
@@ -1180,7 +1220,8 @@ def _check_hparams(hparams: Any, num_runs: int) -> dict[str, jax.Array]:
             array = np.asarray(value)
         except (TypeError, ValueError):
             array = np.asarray(None)
-        ok = array.shape[:1] == (num_runs,) and np.issubdtype(array.dtype, np.number)
+        shaped = array.shape[:1] == (num_runs,) and (per_run_arrays or array.ndim == 1)
+        ok = shaped and array.dtype != bool and np.issubdtype(array.dtype, np.number)
         errors.require(
             ok and bool(np.all(np.isfinite(array))),
             f"hparams[{name!r}]",

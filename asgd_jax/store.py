@@ -55,6 +55,7 @@ __all__ = [
     "StoreStatus",
     "check_resume",
     "for_run",
+    "trace_pin",
 ]
 
 
@@ -174,6 +175,7 @@ class ParameterStore:
         self.header = {"num_workers": num_workers, **(header or {})}
         self.checkpoint_path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), CHECKPOINT)
         self.checkpoint_every, self.resumed_from = checkpoint_every, 0
+        self._trace_pin: tuple[int, str | None] = (0, None)  # a resume: the trace's lines and digest to keep
         if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path):
             if not resume:
                 raise errors.ConfigError(
@@ -199,7 +201,7 @@ class ParameterStore:
         self._t0 = time.perf_counter()
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
-            self._trace = trace.Writer(os.path.join(out_dir, trace.FILE), keep=self.applied)
+            self._trace = trace.Writer(os.path.join(out_dir, trace.FILE), *self._trace_pin)
         self._writer = None
         if self.checkpoint_path is not None:
             self._writer = checkpoint.Writer(self.checkpoint_path, self.fail)
@@ -448,10 +450,12 @@ class ParameterStore:
         """What a checkpoint holds, as host copies: the state, each worker's data position, the header and counts."""
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
         staleness = {str(k): v for k, v in self.staleness_counts.items()}
+        # The trace it belongs to: a resume keeps exactly these lines and refuses any other trace.
+        pinned = {} if self._trace is None else {"trace_lines": self._trace.lines, "trace_sha256": self._trace.digest()}
         return (
             _host_copy(self._state),
             {"positions": self.positions.copy()},
-            {**self.header, **counts, "staleness_counts": staleness},
+            {**self.header, **counts, **pinned, "staleness_counts": staleness},
         )
 
     def fail(self, error: BaseException) -> None:
@@ -466,6 +470,7 @@ class ParameterStore:
     def _restore(self, path: str) -> None:
         state, arrays, header = checkpoint.load(path, self._state)
         _check_header(path, header, self.header)
+        self._trace_pin = trace_pin(header)
         self._state = jax.device_put(state, self.device)
         self.applied, self.rejected, self.late = header["applied"], header["rejected"], header.get("late", 0)
         self.received = self.applied + self.rejected  # pushes in flight at the checkpoint are lost and sent again
@@ -524,28 +529,21 @@ class ParameterStore:
             self.positions[worker] += 1
             staleness = int(jax.device_get(staleness))
             self.staleness_counts[staleness] += 1
-            if self._trace is not None:
-                record = trace.Record(
-                    worker=int(worker),
-                    workers=self.num_workers,
-                    pulled_version=int(pulled_version),
-                    applied_version=self.applied,
-                    staleness=staleness,  # as the server step saw it
-                    time=time.perf_counter() - self._t0,
-                )
-                try:
-                    self._trace.write(record)
-                except OSError as e:
-                    self.fail(OSError(f"writing {self._trace.path} failed ({e}): free space and resume"))
+            self._write_trace(worker, pulled_version, staleness)  # the staleness the server step saw
             # Host copies: the next exchange updates the state's buffers in place (donation).
             result = (*self._answer_for(worker), self.applied)
             self._last_answer = result[:2]
             if not _all_finite(result[0]):
                 self.diverged = True
+                kept = (
+                    "the last checkpoint holds the last finite weights"
+                    if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path)
+                    else "no checkpoint had been written yet"
+                )
                 self.fail(
                     FloatingPointError(
                         f"the weights turned NaN or Inf at update {self.applied}: the run diverged (lower the learning "
-                        "rate); the last checkpoint holds the last finite weights"
+                        f"rate); {kept}"
                     )
                 )
             elif self.num_updates is not None and self.applied >= self.num_updates:
@@ -560,12 +558,14 @@ class ParameterStore:
         future.set_result(result)
 
     def _reject_nonfinite(self, worker: int, pulled_version: int) -> BadPush:
-        """Counts a NaN/Inf push (its minibatches are used up) and stops the store on policy or after a streak."""
+        """Counts a NaN/Inf push (its minibatches are used up, which the trace records so that a replay skips them
+        too) and stops the store on policy or after a streak."""
         with self._lock:
             self.rejected += 1
             self.positions[worker] += 1
             self._nonfinite_streak += 1
             streak = self._nonfinite_streak
+            self._write_trace(worker, pulled_version, self.applied - pulled_version, rejected=True)
         message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
         if self.on_nonfinite == "stop":
             self.fail(BadPush(message + "; stopping (on_nonfinite='stop')"))
@@ -577,6 +577,30 @@ class ParameterStore:
                 )
             )
         return BadPush(message)
+
+    def _write_trace(self, worker: int, pulled_version: int, staleness: int, rejected: bool = False) -> None:
+        """Appends one record to the trace (under the lock, in the order pushes are handled)."""
+        if self._trace is None:
+            return
+        record = trace.Record(
+            worker=int(worker),
+            workers=self.num_workers,
+            pulled_version=int(pulled_version),
+            applied_version=self.applied,
+            staleness=int(staleness),
+            time=time.perf_counter() - self._t0,
+            rejected=rejected,
+        )
+        try:
+            self._trace.write(record)
+        except OSError as e:
+            self.fail(OSError(f"writing {self._trace.path} failed ({e}): free space and resume"))
+
+
+def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:
+    """The trace lines a checkpoint belongs to and their SHA-256, from its header. Checkpoints written before the
+    trace was pinned hold neither: their trace is cut at the applied count, unchecked."""
+    return int(header.get("trace_lines", header.get("applied", 0))), header.get("trace_sha256")
 
 
 def _check_header(path: str, saved: dict[str, Any], header: dict[str, Any]) -> None:
@@ -596,7 +620,7 @@ def check_resume(out_dir: str | os.PathLike, header: dict[str, Any]) -> None:
     path = os.path.join(os.fspath(out_dir), CHECKPOINT)
     saved = checkpoint.read_header(path)
     _check_header(path, saved, header)
-    trace.whole_records(os.path.join(os.fspath(out_dir), trace.FILE), int(saved.get("applied", 0)))
+    trace.whole_records(os.path.join(os.fspath(out_dir), trace.FILE), *trace_pin(saved))
 
 
 def _host_copy(tree: Any) -> Any:

@@ -1,9 +1,12 @@
 """``trace.jsonl``, the record of a trainer run's applied pushes: its one owner (written, cut back, read).
 
-One JSON object a line, one line per applied push, in the order the store applied them (:class:`Record`). The store
-writes it through a :class:`Writer` (a resumed run first cuts it back to its checkpoint's update, dropping a
-half-written last line); :func:`read` reads it back, which :meth:`asgd_jax.delays.Trace.load` turns into the delay
-model that replays the run in the simulator.
+One JSON object a line, one line per push the store applied or rejected as NaN/Inf, in its order (:class:`Record`;
+a rejected push has ``"rejected": true``: it changed no weight but used up that worker's minibatches). The store
+writes it through a :class:`Writer`, which keeps a running SHA-256 of the lines (:meth:`Writer.digest`); each
+checkpoint stores the line count and digest it was taken at, so a resume cuts the trace back to exactly those lines
+and refuses a trace that is not the one the checkpoint belongs to (:func:`whole_records`). :func:`read` reads it
+back, type-checking every record, which :meth:`asgd_jax.delays.Trace.load` turns into the delay model that replays
+the run in the simulator.
 
 Example:
   >>> import os, tempfile
@@ -18,15 +21,17 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["FILE", "Read", "Record", "Writer", "read", "whole_records"]
+__all__ = ["FILE", "Read", "Record", "Writer", "parse", "read", "whole_records"]
 
 FILE = "trace.jsonl"
 
@@ -40,44 +45,64 @@ class Record(NamedTuple):
     applied_version: int
     staleness: int
     time: float  # seconds since the store started
+    rejected: bool = False  # a NaN/Inf push: nothing applied, the worker's minibatches used up
 
     def line(self) -> str:
-        return json.dumps(self._asdict()) + "\n"
+        fields = self._asdict()
+        if not self.rejected:  # an applied push's line reads as it always has
+            del fields["rejected"]
+        return json.dumps(fields) + "\n"
 
 
 class Writer:
     """Appends :class:`Record` s to a trace, after its first ``keep`` whole records (``keep=0``: a fresh file).
 
+    Args:
+      path: the trace file.
+      keep: the records to keep (a resume: the checkpoint's line count).
+      sha256: the digest those ``keep`` records must have (the checkpoint's), or ``None`` not to check.
+
     Raises:
-      ConfigError: on a resume (``keep > 0``), when the trace is missing or holds fewer whole records than the
-        checkpoint's updates: the run could no longer be replayed.
+      ConfigError: on a resume (``keep > 0``), when the trace is missing, holds fewer whole records than the
+        checkpoint's, or is not the trace the checkpoint belongs to: the run could no longer be replayed.
     """
 
-    def __init__(self, path: str | os.PathLike, keep: int):
+    def __init__(self, path: str | os.PathLike, keep: int, sha256: str | None = None):
         self.path = os.fspath(path)
-        lines = whole_records(self.path, keep)
+        lines = whole_records(self.path, keep, sha256)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(lines)
         os.replace(tmp, self.path)
+        self.lines = len(lines)
+        self._digest = hashlib.sha256("".join(lines).encode())
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
 
     def write(self, record: Record) -> None:
         """Appends one record and flushes it (an ``OSError`` of a full disk is the caller's to stop on)."""
-        self._file.write(record.line())
+        line = record.line()
+        self._file.write(line)
         self._file.flush()
+        self._digest.update(line.encode())
+        self.lines += 1
+
+    def digest(self) -> str:
+        """The SHA-256 of every line written so far (what a checkpoint pins)."""
+        return self._digest.hexdigest()
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
 
 
-def whole_records(path: str | os.PathLike, keep: int) -> list[str]:
+def whole_records(path: str | os.PathLike, keep: int, sha256: str | None = None) -> list[str]:
     """The first ``keep`` whole lines of a trace (a half-written last line is not whole); none for ``keep=0``.
 
+    Each of them must be a record (:func:`parse`), and, with ``sha256``, their digest the checkpoint's.
+
     Raises:
-      ConfigError: the trace is missing or holds fewer whole records than ``keep`` (the checkpoint's updates): the run
-        could no longer be replayed past them.
+      ConfigError: the trace is missing, is not a file, holds fewer whole records than ``keep``, holds a line that is
+        not a record, or differs from the trace the checkpoint was taken with: the run could no longer be replayed.
     """
     if not keep:
         return []
@@ -86,33 +111,102 @@ def whole_records(path: str | os.PathLike, keep: int) -> list[str]:
         f"the run can no longer be replayed past that. Restore {os.path.basename(path)} from a copy, or start a new "
         "run in another folder (--out)"
     )
-    if not os.path.exists(path):
-        raise errors.ConfigError(f"{path} is missing but the checkpoint is at update {keep}: {way_out}.")
+    if not os.path.isfile(path):
+        what = "is not a file" if os.path.exists(path) else "is missing"
+        raise errors.ConfigError(f"{path} {what} but the checkpoint is at record {keep}: {way_out}.")
     with open(path, "rb") as f:
         raw = f.read()
-    lines = raw[: raw.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines(keepends=True)[:keep]
+    text = raw[: raw.rfind(b"\n") + 1].decode("utf-8", errors="replace")
+    lines = text.splitlines(keepends=True)[:keep]
     if len(lines) < keep:
         raise errors.ConfigError(
-            f"{path} holds {len(lines)} whole records but the checkpoint is at update {keep}: {way_out}."
+            f"{path} holds {len(lines)} whole records but the checkpoint is at record {keep}: {way_out}."
+        )
+    num = None
+    for n, line in enumerate(lines, 1):
+        num = parse(line, f"{path}:{n}", num).workers
+    if sha256 is not None and hashlib.sha256("".join(lines).encode()).hexdigest() != sha256:
+        raise errors.ConfigError(
+            f"{path}'s first {keep} records are not the ones the checkpoint was taken with (a record was changed, or "
+            f"the trace is another run's): {way_out}."
         )
     return lines
 
 
+def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) -> Record:
+    """One line as a :class:`Record`, every field type-checked (``workers``: the count the earlier lines said;
+    ``time``: the time of a record that has none).
+
+    Raises:
+      ConfigError: naming ``where`` (``path:line``), when the line is not JSON, lacks a field, holds a value of the
+        wrong type (a worker id of 1.7, a bool where an int belongs) or a worker id outside ``[0, workers)``, or says
+        another worker count than the earlier lines.
+    """
+    try:
+        fields = json.loads(line)
+    except ValueError as e:
+        raise errors.ConfigError(f"{where}: not a trace record ({e}).") from None
+    if not isinstance(fields, dict) or "worker" not in fields:
+        raise errors.ConfigError(f"{where}: not a trace record with a 'worker' field.")
+    bad = lambda name, allowed: errors.ConfigError(f"{where}: {name}={fields.get(name)!r} is not {allowed}.")
+    ints = {}
+    for name, lowest in (("worker", 0), ("workers", 1), ("pulled_version", 0), ("applied_version", 0)):
+        value = fields.get(name, None if name != "worker" else fields["worker"])
+        if value is None and name != "worker":
+            ints[name] = None
+            continue
+        if not errors.is_int(value) or value < lowest:
+            raise bad(name, f"an int >= {lowest}")
+        ints[name] = int(value)
+    staleness = fields.get("staleness", 0)
+    if not errors.is_int(staleness):
+        raise bad("staleness", "an int")
+    time = fields.get("time", time)
+    if not _is_number(time):
+        raise bad("time", "a finite number")
+    rejected = fields.get("rejected", False)
+    if not isinstance(rejected, bool):
+        raise bad("rejected", "true or false")
+    count = ints["workers"]
+    if count is not None and workers is not None and count != workers:
+        raise errors.ConfigError(f"{where}: workers={count}, but the records before it say {workers}.")
+    count = count if count is not None else workers
+    if count is not None and ints["worker"] >= count:
+        raise errors.ConfigError(f"{where}: worker={ints['worker']} is not below the run's {count} workers.")
+    return Record(
+        ints["worker"],
+        count,
+        ints["pulled_version"] or 0,
+        ints["applied_version"] or 0,
+        int(staleness),
+        float(time),
+        rejected,
+    )
+
+
+def _is_number(value: Any) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
 class Read(NamedTuple):
-    """A trace read back: every applied push's worker and time, and the worker count it records."""
+    """A trace read back: every applied push's worker and time, the minibatches its worker skipped before it (pushes
+    rejected as NaN/Inf since that worker's previous applied push), and the worker count it records."""
 
     workers: np.ndarray  # int32 [updates]
     times: np.ndarray  # float32 [updates]
     num: int | None  # M as recorded (None for a trace that does not say)
+    skips: np.ndarray | None = None  # int32 [updates], None when nothing was rejected
 
 
 def read(path: str | os.PathLike) -> Read:
     """Reads a trace; a half-written last line (a killed run) is left out.
 
     Raises:
-      ConfigError: the file cannot be read, holds no record, or a line is not a record.
+      ConfigError: the file cannot be read, holds no applied record, or a line is not a record (:func:`parse`).
     """
-    workers, times, counts = [], [], set()
+    workers, times, skips, num = [], [], [], None
+    pending: dict[int, int] = {}  # worker -> its rejected pushes since its last applied one
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -123,16 +217,19 @@ def read(path: str | os.PathLike) -> Read:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            workers.append(int(record["worker"]))
-            times.append(float(record.get("time", n)))
-            counts.add(record.get("workers"))
-        except (ValueError, KeyError, TypeError) as e:
-            if n == len(lines):  # the last line, cut mid-write
+            record = parse(line, f"{path}:{n}", num, time=float(n))
+        except errors.ConfigError:
+            if n == len(lines):  # no newline after it: the last line, cut mid-write
                 break
-            raise errors.ConfigError(f"{path}:{n}: not a trace record with a 'worker' field ({e}).") from None
+            raise
+        num = record.workers
+        if record.rejected:
+            pending[record.worker] = pending.get(record.worker, 0) + 1
+            continue
+        workers.append(record.worker)
+        times.append(record.time)
+        skips.append(pending.pop(record.worker, 0))
     if not workers:
-        raise errors.ConfigError(f"{path} holds no trace records.")
-    recorded = {c for c in counts if c is not None}
-    num = int(recorded.pop()) if len(recorded) == 1 else None
-    return Read(np.asarray(workers, np.int32), np.asarray(times, np.float32), num)
+        raise errors.ConfigError(f"{path} holds no trace records of applied pushes.")
+    skipped = np.asarray(skips, np.int32) if any(skips) else None
+    return Read(np.asarray(workers, np.int32), np.asarray(times, np.float32), num, skipped)

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, delays, errors, exchange, rules, session, store, worker
+from asgd_jax import checkpoint, delays, errors, exchange, interrupts, rules, session, store, worker
 from asgd_jax import loss as loss_lib
 from asgd_jax.plan import Plan
 from asgd_jax.session import TrainConfig, TrainResult, WorkerStats
@@ -85,6 +86,16 @@ def train(
         from asgd_jax.ray_backend import require_ray
 
         require_ray()  # fails at once, with the install command
+    lock = contextlib.nullcontext() if config.out is None else session.RunLock(config.out)  # one run per folder
+    with interrupts.watch(), lock:
+        return _start(loss, rule, params, data, config, ex, model_state, eval_fn, devices, eval_device)
+
+
+def _start(
+    loss, rule, params, data, config: TrainConfig, ex, model_state, eval_fn, devices, eval_device
+) -> TrainResult:
+    """The run, once its folder is this process's: the resume decision and checks, the warm start, the backend."""
+    plan = config.plan
     config = config.replace(resume=_resume_decision(config))
     # Everything that changes the weights: a resume with any of it different is refused (the trace would not replay).
     header = {
@@ -159,22 +170,10 @@ def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
 
 
 def _resume_decision(config: TrainConfig) -> bool:
-    """Checks the output folder (a folder that can be written) and turns ``resume`` into a yes or no: the one place a
+    """Turns ``resume`` into a yes or no (the folder is the run's: :class:`asgd_jax.session.RunLock`): the one place a
     run's resume is decided, for every backend."""
     if config.out is None:
         return False
-    if os.path.exists(config.out) and not os.path.isdir(config.out):
-        raise errors.ConfigError(f"out={config.out!r} (--out) is a file: give a folder for the run.")
-    try:
-        os.makedirs(config.out, exist_ok=True)
-        probe = os.path.join(config.out, ".asgd_jax_write_probe")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise errors.ConfigError(
-            f"out={config.out!r} (--out) cannot be written ({e.strerror}): choose another folder."
-        ) from None
     exists = os.path.exists(os.path.join(config.out, session.CHECKPOINT))
     warming = os.path.exists(os.path.join(config.out, "warmup", session.CHECKPOINT))  # killed in the warm start
     if config.resume is True and not exists and not warming:

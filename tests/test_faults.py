@@ -81,6 +81,7 @@ def test_the_cli_reports_divergence_in_one_line_and_exits_non_zero(tmp_path, cap
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "training stopped at update" in err and "diverged" in err and "Traceback" not in err
+    assert "No checkpoint had been written yet" in err  # it diverged before the first one: none is promised
 
 
 def test_the_simulator_says_when_its_loss_turns_nan():
@@ -239,7 +240,7 @@ def test_a_resume_without_a_whole_trace_or_with_other_settings_is_refused(tmp_pa
     _train(asgd_jax.asgd(0.05), _base(tmp_path))
     lines = (tmp_path / "trace.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "trace.jsonl").write_text("".join(lines[:15]))
-    with pytest.raises(ConfigError, match="holds 15 whole records but the checkpoint is at update 20"):
+    with pytest.raises(ConfigError, match="holds 15 whole records but the checkpoint is at record 20"):
         _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True))
     (tmp_path / "trace.jsonl").unlink()
     with pytest.raises(ConfigError, match=r"trace\.jsonl is missing"):
