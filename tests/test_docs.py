@@ -80,3 +80,16 @@ def test_every_image_and_file_the_docs_point_at_is_in_the_repository():
             assert path in tracked or any(t.startswith(path.rstrip("/") + "/") for t in tracked), f"{doc} -> {link}"
         assert "../shared" not in text, doc
     assert "docs/results/staleness_leaderboard.png" in tracked
+
+
+def test_every_test_the_readmes_fault_table_names_exists():
+    """The README's table of injected faults stays true: each test it names is in the suite."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("### When something goes wrong") : text.index("### On a Ray cluster")]
+    named = re.findall(r"`(test_[a-z0-9_]+|tests/[a-z_]+\.py)`", table)
+    assert len(named) >= 15
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    for name in named:
+        assert (ROOT / name).exists() if name.startswith("tests/") else f"def {name}(" in sources, name

@@ -203,3 +203,48 @@ def test_trace_records_are_type_checked(tmp_path):
     folder.mkdir()
     with pytest.raises(ConfigError, match="is not a readable trace"):
         asgd_jax.delays.Trace.load(folder)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The wind-down does not wait for a sleeping straggler; a refused resume on Ray starts nothing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_straggler_asleep_for_days_does_not_hold_the_end_of_the_run(tmp_path):
+    """Worker 1's artificial sleep is a billion times its compute time: the run ends when the budget is reached (in a
+    process of its own, so that a regression fails here at its timeout instead of hanging the suite)."""
+    script = (
+        "import sys; sys.path.insert(0, 'tests'); import jax, asgd_jax; "
+        "from helpers.problems import DATA, W0, lsq_loss; from asgd_jax.trainer import TrainConfig, train; "
+        "r = train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, TrainConfig(asgd_jax.Plan(2, num_updates=50, "
+        f"batch_size=8), slowdown={{1: 1e9}}, out={str(tmp_path)!r}, progress=False)); print('ENDED', r.ended)"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert "ENDED finished" in run.stdout, run.stdout + run.stderr
+    records = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert len(records) == 50 and {r["worker"] for r in records} == {0}  # the sleeper never pushed
+
+
+def test_a_refused_resume_on_ray_is_one_line_before_any_actor(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    import ray
+
+    from asgd_jax import ray_backend
+
+    _train(_config(tmp_path))
+    monkeypatch.setattr(ray_backend, "run", lambda *a, **k: pytest.fail("an actor was started"))
+    ray_config = _config(tmp_path, num_updates=30, resume=True).replace(backend="ray")
+    with pytest.raises(ConfigError, match="rule: checkpoint"):  # another learning rate
+        _train(ray_config, rule=asgd_jax.asgd(0.5))
+    (tmp_path / "trace.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"trace\.jsonl is missing"):
+        _train(ray_config)
+    assert not ray.is_initialized()
