@@ -594,7 +594,13 @@ class ParameterStore:
         try:
             self._trace.write(record)
         except OSError as e:
-            self.fail(OSError(f"writing {self._trace.path} failed ({e}): free space and resume"))
+            self.fail(OSError(f"writing {self._trace.path} failed ({e}): free space and {self._way_on()}"))
+
+    def _way_on(self) -> str:
+        """How a stopped run goes on: from its checkpoint, or from the start when none was written yet."""
+        if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path):
+            return "resume (--resume)"
+        return "start again: no checkpoint had been written yet"
 
 
 def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:

@@ -238,3 +238,12 @@ def test_ctrl_c_while_the_command_starts_jax_exits_130(tmp_path):
         run.kill()
     assert run.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_data_that_does_not_fit_the_weights_is_called_a_shape_problem_naming_the_shapes():
+    wrong = {"x": DATA["x"][:, :3], "y": DATA["y"]}
+    plan = asgd_jax.Plan(asgd_jax.delays.Workers(2), batch_size=8, num_updates=8)
+    with pytest.raises(ConfigError, match=r"fails on the shapes .*float32\[4\].*\['x'\]: float32\[8, 3\]"):
+        asgd_jax.simulate(lsq_loss, asgd_jax.asgd(0.05), W0, wrong, plan, progress=False)
+    with pytest.raises(ConfigError, match="does not take the declared form"):  # a signature problem stays one
+        asgd_jax.simulate(lambda w: w.sum(), asgd_jax.asgd(0.05), W0, DATA, plan, progress=False)

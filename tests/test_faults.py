@@ -159,6 +159,8 @@ def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_check
     )
     assert "STOPPED" in run.stdout, run.stdout + run.stderr
     assert "failed" in run.stdout and ("File too large" in run.stdout or "free space" in run.stdout)
+    if "free space and" in run.stdout:  # a checkpoint is promised only where there is one
+        assert ("free space and resume" in run.stdout) == (tmp_path / "checkpoint.npz").exists(), run.stdout
     if (tmp_path / "checkpoint.npz").exists():  # whatever is there is whole: the atomic write kept the previous one
         saved = np.load(tmp_path / "checkpoint.npz")
         assert json.loads(bytes(saved["__header__"]).decode())["applied"] >= 10
