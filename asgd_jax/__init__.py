@@ -80,36 +80,12 @@ _NAMES = {
     "TrainConfig": "trainer",
     "train": "trainer",
 }
-_MODULES = {
-    "cache",
-    "checkpoint",
-    "data",
-    "delays",
-    "errors",
-    "loss",
-    "metrics",
-    "models",
-    "plan",
-    "preprocess",
-    "recipes",
-    "rules",
-    "schedules",
-    "simulator",
-    "trainer",
-    # The engines' own modules, importable as attributes (asgd_jax.store, ...) but not the public face.
-    "exchange",
-    "loader",
-    "order",
-    "server",
-    "session",
-    "store",
-}
 
 
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         value = getattr(importlib.import_module(f"asgd_jax.{_NAMES[name]}"), name)
-    elif name in _MODULES:
+    elif name in _modules():
         value = importlib.import_module(f"asgd_jax.{name}")
     else:
         raise AttributeError(f"module 'asgd_jax' has no attribute {name!r}")
@@ -118,7 +94,12 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_NAMES) | _MODULES)
+    return sorted(set(globals()) | set(_NAMES) | _modules())
+
+
+def _modules() -> set[str]:
+    """The modules importable as attributes: the public ones of ``__all__`` and the engines' own."""
+    return {n for n in __all__ if n not in _NAMES} | {"exchange", "loader", "order", "server", "session", "store"}
 
 
 __version__ = "0.1.0"

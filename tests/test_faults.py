@@ -81,7 +81,8 @@ def test_the_cli_reports_divergence_in_one_line_and_exits_non_zero(tmp_path, cap
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "training stopped at update" in err and "diverged" in err and "Traceback" not in err
-    assert "No checkpoint had been written yet" in err  # it diverged before the first one: none is promised
+    saved = (tmp_path / "run" / "checkpoint.npz").exists()  # a checkpoint is promised only where there is one
+    assert ("The last good checkpoint" in err) == saved and ("No checkpoint had been written yet" in err) != saved
 
 
 def test_the_simulator_says_when_its_loss_turns_nan():
