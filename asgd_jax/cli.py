@@ -167,16 +167,35 @@ def _prepare(args: argparse.Namespace) -> int:
 # asgd-jax train
 # --------------------------------------------------------------------------------------------------------------------
 
-# The flags that build the model, the data and the rule; every other flag of `train` is a TrainConfig field.
-MODEL_FLAGS = ("config", "dataset", "data_dir", "model", "rule", "lr", "lam", "momentum", "warm_start")
+# The flags that build the model, the data and the rule (a Setup, and the rule's own numbers); every other flag of
+# `train` is a TrainConfig field.
+SETUP_FLAGS = (
+    "dataset",
+    "data_dir",
+    "model",
+    "model_options",
+    "dtype",
+    "lr",
+    "schedule",
+    "decay_at",
+    "decay_factor",
+    "warmup",
+    "unit",
+    "momentum",
+    "weight_decay",
+    "augment",
+    "eval_crop",
+    "eval_multi_crop",
+)
+MODEL_FLAGS = ("config", *SETUP_FLAGS, "rule", "lam", "warm_start")
 
 
 def _add_train(sub) -> None:
-    from asgd_jax import rules
+    from asgd_jax import rules, setups
     from asgd_jax.plan import MODES, PUSHES
     from asgd_jax.session import BACKENDS, FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
-    d = TrainConfig()
+    d, ds = TrainConfig(), setups.Setup()
     dp = d.plan
     p = sub.add_parser(
         "train",
@@ -186,20 +205,32 @@ def _add_train(sub) -> None:
             "applies the rule with the simulator's server step. Writes trace.jsonl (replayable with "
             "asgd_jax.delays.Trace.load), metrics.jsonl, checkpoint.npz, model.npz and summary.json into --out. "
             "Ctrl-C writes a final checkpoint; --resume continues. --config FILE (TOML or JSON, keys are the flag "
-            "names) replaces flags; flags given on the command line win."
+            "names) replaces flags; flags given on the command line win. --config NAME runs a setup that ships "
+            f"with asgd_jax ({', '.join(shipped_configs())}): the paper's run."
         ),
         formatter_class=Defaults,
     )
     actions: list[argparse.Action] = []
     a = lambda *names, **kw: actions.append(p.add_argument(*names, **kw))
-    a("--config", default=None, help="TOML or JSON file of flag values, e.g. workers = 4")
+    a("--config", default=None, help="TOML or JSON file of flag values (e.g. workers = 4), or a shipped setup's name")
     a("--dataset", default="digits", help="mnist1d, digits or tfds:<name>")
     a("--data-dir", default=None, help="TFDS data directory")
     a("--model", default="mlp", help="mlp, cnn, resnet20, convnet, ...")
+    a("--model-options", type=_table, default={}, help="model options as JSON, e.g. '{\"width\": 0.25}'")
+    a("--dtype", default=ds.dtype, choices=setups.DTYPES, help="bfloat16: compute in bf16, float32 weights")
     a("--rule", default="dc_asgd_a", choices=rules.names(), help="the server's update rule")
-    a("--lr", type=float, default=0.1, help="the server's learning rate")
+    a("--lr", type=float, default=0.1, help="the server's (peak) learning rate")
+    a("--schedule", default="constant", choices=setups.SCHEDULES, help="the learning rate's schedule")
+    a("--decay-at", nargs="+", type=float, default=list(ds.decay_at), help="step decays, in --unit")
+    a("--decay-factor", type=float, default=ds.decay_factor, help="step factor, or cosine's final fraction")
+    a("--warmup", type=float, default=ds.warmup, help="linear warm-up, in --unit")
+    a("--unit", default=ds.unit, choices=setups.UNITS, help="what --decay-at and --warmup count")
     a("--lam", type=float, default=None, help="DC-ASGD lambda_0 [the rule's: 0.04 for -c, 2 for -a]")
     a("--momentum", type=float, default=None, help="momentum of the rule [none]")
+    a("--weight-decay", type=float, default=ds.weight_decay, help="L2 weight decay, chained before the rule")
+    a("--augment", action=argparse.BooleanOptionalAction, default=ds.augment, help="random crop and flip")
+    a("--eval-crop", type=int, default=None, help="evaluate on the central N x N crop")
+    a("--eval-multi-crop", action=argparse.BooleanOptionalAction, default=False, help="average ten crops")
     a("--warm-start", default=None, metavar="MODEL", help="start from a saved model.npz (or a run folder)")
     a("--workers", type=int, default=dp.workers, help="M workers")
     a("--num-updates", "--steps", type=int, default=dp.num_updates, help="server updates, warm-up included")
@@ -232,6 +263,12 @@ def _add_train(sub) -> None:
     a("--backend", default=d.backend, choices=BACKENDS, help="ray: actors on a Ray cluster")
     a("--ray-address", default=d.ray_address, help="Ray cluster to join ('auto': the local `ray start`)")
     a("--max-restarts", type=int, default=d.max_restarts, help="Ray: restarts of a dead worker actor")
+    a(
+        "--tensorboard",
+        action=argparse.BooleanOptionalAction,
+        default=d.tensorboard,
+        help="also write TensorBoard event files into --out/tensorboard (pip install 'asgd_jax[tensorboard]')",
+    )
     p.set_defaults(func=_train, parser=p, actions=actions)
 
 
@@ -252,11 +289,44 @@ def _parse_slowdown(values: Sequence[str] | None) -> dict[int, float]:
     return out
 
 
+def _table(value: str) -> dict[str, Any]:
+    """``--model-options``: a JSON object."""
+    try:
+        table = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give e.g. '{{\"width\": 0.25}}'") from None
+    if not isinstance(table, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON object: give e.g. '{{\"width\": 0.25}}'")
+    return table
+
+
+def shipped_configs() -> list[str]:
+    """The setups that ship with asgd_jax (``asgd_jax/configs/*.toml``), by name."""
+    import importlib.resources
+
+    folder = importlib.resources.files("asgd_jax") / "configs"
+    return sorted(f.name.removesuffix(".toml") for f in folder.iterdir() if f.name.endswith(".toml"))
+
+
+def config_path(name_or_path: str) -> str:
+    """A ``--config`` value as a file: a path, or the name of a setup that ships with asgd_jax."""
+    import importlib.resources
+
+    if os.path.exists(name_or_path) or os.sep in name_or_path or name_or_path.endswith((".toml", ".json")):
+        return name_or_path
+    if name_or_path in shipped_configs():
+        return str(importlib.resources.files("asgd_jax") / "configs" / f"{name_or_path}.toml")
+    raise errors.ConfigError(
+        f"--config {name_or_path}: no such file, and no shipped setup of that name ({', '.join(shipped_configs())})."
+    )
+
+
 def load_config(path: str, actions: Sequence[argparse.Action]) -> dict[str, Any]:
     """Reads a TOML/JSON file of flag values (``n-sync``, ``n_sync``, or an alias such as ``steps``), checked against
-    the flags ``actions`` define; returns them by destination."""
+    the flags ``actions`` define; returns them by destination. ``path`` may name a shipped setup."""
     import tomllib
 
+    path = config_path(path)
     try:
         with open(path, "rb") as f:
             values = json.load(f) if path.endswith(".json") else tomllib.load(f)
@@ -290,18 +360,23 @@ def load_config(path: str, actions: Sequence[argparse.Action]) -> dict[str, Any]
 def _config_value(path: str, name: str, action: argparse.Action, value: Any) -> Any:
     """A config file's value for ``action``'s flag, type-checked as the command line would parse it."""
     is_number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
-    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+    if action.nargs in ("+", "*"):
+        value = value if isinstance(value, list) else [value]
+        if action.type is float:
+            ok, expected = bool(value) and all(is_number(v) for v in value), "a list of numbers"
+        else:
+            ok, expected = all(isinstance(v, str) or is_number(v) for v in value), "a list of values"
+            value = [str(v) for v in value]
+    elif isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
         ok, expected = isinstance(value, bool), "true or false"
     elif action.type is _resume_flag:
         ok, expected = value in (True, False, "auto"), "true, false or 'auto'"
+    elif action.type is _table:
+        ok, expected = isinstance(value, dict), "a table, e.g. { width = 0.25 }"
     elif action.type is int:
         ok, expected = errors.is_int(value), "an int"
     elif action.type is float:
         ok, expected = is_number(value), "a number"
-    elif action.nargs in ("+", "*"):
-        value = value if isinstance(value, list) else [value]
-        ok, expected = all(isinstance(v, str) or is_number(v) for v in value), "a list of values"
-        value = [str(v) for v in value]
     else:
         ok, expected = isinstance(value, str), "a string"
     if ok and action.choices is not None and not isinstance(value, list):
@@ -342,20 +417,35 @@ def _keep_the_driver_on_the_cpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-def _rule(args: argparse.Namespace):
+def setup_of(args: argparse.Namespace):
+    """The run's :class:`asgd_jax.setups.Setup` from the flags (validated: every flag named)."""
+    from asgd_jax.setups import Setup
+
+    values = {name: getattr(args, name) for name in SETUP_FLAGS if name != "lr"}
+    values["decay_at"] = tuple(values["decay_at"])
+    return Setup(**values, learning_rate=args.lr, batch_size=args.batch_size)
+
+
+def train_rule(args: argparse.Namespace, setup: Any, plan: Any, num_examples: int | None = None):
+    """The server's rule from the flags: the registered ``--rule`` with its numbers, the setup's schedule (in updates
+    of this plan: an update is ``n_sync`` minibatches, or M of them in SSGD), momentum and weight decay. The same
+    construction as a study's arms (:meth:`asgd_jax.setups.Setup.rule`)."""
     from asgd_jax import rules
 
     takes = rules.defaults(args.rule)
     hp = {"lam": args.lam, "momentum": args.momentum}
-    if "num_workers" in rules.required(args.rule):
-        hp["num_workers"] = args.workers
     errors.require(
         all(k in takes for k, v in hp.items() if v is not None),
         "--rule",
         args.rule,
         f"it takes {', '.join(takes) or 'no hyperparameters'} (drop --lam / --momentum)",
     )
-    return rules.get(args.rule, args.lr, **hp)
+    if "num_workers" in rules.required(args.rule):
+        hp["num_workers"] = plan.workers
+    per_update = plan.batch_size * plan.n_sync * (plan.workers if plan.mode == "sync" else 1)
+    per_epoch = (num_examples or per_update) / per_update
+    hp.pop("momentum")  # the setup's (the same flag)
+    return setup.rule(args.rule, setup.learning_rate_schedule(plan.num_updates, per_epoch), **hp)
 
 
 def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -366,7 +456,7 @@ def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         with open(path) as f:
             summary = json.load(f)
-        summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "actions")}
+        summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "actions", "top_parser")}
         with open(path, "w") as f:
             json.dump(summary, f, indent=2, default=str)
     except (OSError, ValueError) as e:
@@ -377,16 +467,18 @@ def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace) -> int:
     config = _train_config(args)  # every flag checked before anything loads
-    rule = _rule(args)
+    setup = setup_of(args)
+    train_rule(args, setup, config.plan)  # the rule's flags too (the schedule is made again once the data is known)
     if config.backend == "ray":
         _keep_the_driver_on_the_cpu()
     print(f"asgd-jax train: loading {args.dataset} and building {args.model}...", flush=True)
     import jax
 
-    from asgd_jax import checkpoint, data, models, session, trainer
+    from asgd_jax import checkpoint, data, session, trainer
 
-    ds = data.load(args.dataset, data_dir=args.data_dir)
-    model = models.get(args.model, num_classes=ds.num_classes, input_shape=ds.input_shape)
+    ds = data.load(setup.dataset, data_dir=setup.data_dir)
+    model = setup.build_model(ds.num_classes, ds.input_shape)
+    rule = train_rule(args, setup, config.plan, len(ds.y_train))
     params, model_state = model.init(jax.random.key(args.seed))
     if args.warm_start:
         params, model_state = checkpoint.load_model(args.warm_start, params, model_state)
@@ -403,13 +495,13 @@ def _train(args: argparse.Namespace) -> int:
     )
     try:
         result = trainer.train(
-            models.classification_loss(model),
+            setup.loss(model),
             rule,
             params,
             ds.train,
             config,
             model_state=model_state,
-            eval_fn=models.classification_eval(model, ds.test),
+            eval_fn=setup.evaluation(model, ds.test),
         )
     except KeyboardInterrupt as e:
         _add_args_to_summary(config.out, args)
@@ -469,6 +561,7 @@ def _add_run(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 instead of the form's [the form's]")
     p.add_argument("--epochs", type=float, default=None, help="effective epochs per run [the form's]")
+    p.add_argument("--tensorboard", action="store_true", help="also write every curve as TensorBoard event files")
     p.set_defaults(func=_run_study)
     r = sub.add_parser(
         "report",
@@ -507,8 +600,12 @@ def _run_study(args: argparse.Namespace) -> int:
         f"{len(study.arms(settings, args.quick))} compiled programs -> {out}",
         flush=True,
     )
+    if args.tensorboard:
+        from asgd_jax import writers
+
+        writers.TensorBoard.check()  # the extra is there, before the study runs
     result = studies.run(study, quick=args.quick, progress=not args.no_progress, settings=settings)
-    paths = studies.save(result, out)
+    paths = studies.save(result, out, tensorboard=args.tensorboard)
     print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")
     print("Wrote " + ", ".join(paths.values()))
     return 0
@@ -566,20 +663,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line's arguments, a ``--config`` file's values in place (flags on the command line still win)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not hasattr(args, "func"):
-        parser.print_help()
-        return 0
+    if getattr(args, "config", None):  # file values become the defaults; flags on the command line still win
+        args.parser.set_defaults(**load_config(args.config, args.actions))
+        args = parser.parse_args(argv)
+    args.top_parser = parser
+    return args
+
+
+def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="asgd-jax: %(levelname)s: %(name)s: %(message)s")
     from asgd_jax import cache, interrupts
 
-    cache.enable()  # compiled programs kept across runs ($ASGD_JAX_CACHE_DIR moves it, =off disables it)
     try:
-        if getattr(args, "config", None):  # file values become the defaults; flags on the command line still win
-            args.parser.set_defaults(**load_config(args.config, args.actions))
-            args = parser.parse_args(argv)
+        args = parse(argv)
+        if not hasattr(args, "func"):
+            args.top_parser.print_help()
+            return 0
+        cache.enable()  # compiled programs kept across runs ($ASGD_JAX_CACHE_DIR moves it, =off disables it)
         interrupts.check()  # one that arrived while JAX started
         return args.func(args)
     except errors.ConfigError as e:  # a user's mistake: what and how to fix it, no traceback

@@ -21,6 +21,7 @@ Example (what a backend looks like to the driver)::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, NamedTuple, Protocol
 
@@ -66,10 +67,19 @@ class Backend(Protocol):
         """Closes the store (its final checkpoint), ends the workers; the last progress and the final weights."""
 
 
-def logs(config: TrainConfig, eval_fn: Any, eval_device: Any) -> tuple[session.MetricsLog, session.Evaluator | None]:
-    """A session's ``metrics.jsonl`` and its evaluator (on ``eval_device``, writing to the same log; none without an
-    ``eval_fn``)."""
-    metrics = session.MetricsLog(config.plan.workers, config.plan.mode)
+def logs(
+    config: TrainConfig, eval_fn: Any, eval_device: Any, on_metrics: Any = None
+) -> tuple[session.MetricsLog, session.Evaluator | None]:
+    """A session's ``metrics.jsonl`` with its sinks (TensorBoard event files, ``on_metrics``) and its evaluator (on
+    ``eval_device``, writing to the same log; none without an ``eval_fn``)."""
+    sinks = []
+    if config.tensorboard:
+        from asgd_jax import writers
+
+        sinks.append(writers.TensorBoard(os.path.join(config.out, writers.FOLDER)))
+    if on_metrics is not None:
+        sinks.append(on_metrics)
+    metrics = session.MetricsLog(config.plan.workers, config.plan.mode, tuple(sinks))
     evaluator = None if eval_fn is None else session.Evaluator(eval_fn, eval_device, metrics.write)
     return metrics, evaluator
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -45,11 +46,20 @@ def watch() -> Iterator[None]:
         return
     _arrived.clear()
     signal.signal(signal.SIGINT, _handler)
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda raised: None if _remembered(raised) else hook(raised)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
         _arrived.clear()
+
+
+def _remembered(raised) -> bool:
+    """A KeyboardInterrupt that a callback swallowed while :func:`watch` remembers it: no traceback to print, the run
+    stops at the next :func:`check`."""
+    return isinstance(raised.exc_value, KeyboardInterrupt) and _arrived.is_set()
 
 
 def check() -> None:

@@ -182,12 +182,16 @@ class Model:
       module: the flax module underneath.
       input_shape: shape of one example (no batch axis).
       num_classes: number of output logits.
+      dtype: ``"float32"``, or ``"bfloat16"``: the forward and backward passes compute in bf16 (weights, inputs and
+        the model state are cast on the way in) while the weights, their gradients, the logits and the model state
+        stay float32: mixed precision as the papers' GPU ports run it, with the server's state untouched.
     """
 
     name: str
     module: nn.Module
     input_shape: tuple[int, ...]
     num_classes: int
+    dtype: str = "float32"
 
     @functools.cached_property
     def _init(self) -> Callable:
@@ -210,17 +214,28 @@ class Model:
         key: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelState]:
         """Returns ``(logits, new_model_state)``; in training mode the non-param collections are updated."""
+        compute = jnp.dtype(self.dtype)
+        if compute != jnp.float32:  # mixed precision: compute in bf16, hand back float32 (the casts carry gradients)
+            params, model_state, x = _cast((params, model_state, x), compute)
         variables = {"params": params, **model_state}
         rngs = {"dropout": key} if key is not None else None
         if train and model_state:
             logits, updated = self.module.apply(variables, x, train=True, rngs=rngs, mutable=list(model_state))
-            return logits, dict(updated)
-        logits = self.module.apply(variables, x, train=train, rngs=rngs)
-        return logits, model_state
+            logits, updated = (logits, dict(updated))
+        else:
+            logits, updated = self.module.apply(variables, x, train=train, rngs=rngs), model_state
+        if compute != jnp.float32:
+            logits, updated = _cast((logits, updated), jnp.float32)
+        return logits, updated
 
     def num_params(self, params: Params) -> int:
         """Number of trainable scalars."""
         return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Every floating leaf of ``tree`` as ``dtype`` (integers, such as labels or counters, as they are)."""
+    return jax.tree.map(lambda v: v.astype(dtype) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +334,8 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
       num_classes: number of classes (> 1).
       input_shape: shape of one example, channels last: ``(8, 8, 1)`` for digits, ``(40, 1)`` for mnist1d.
       **options: forwarded to the module (``hidden=`` for ``mlp``; ``features=``, ``hidden=`` for ``cnn``;
-        ``blocks_per_stage=`` for ``resnet20``; ``width=``, ``stem_stride=``, ``dropout=`` for ``convnet``).
+        ``blocks_per_stage=`` for ``resnet20``; ``width=``, ``stem_stride=``, ``dropout=`` for ``convnet``), except
+        ``dtype="bfloat16"``: the model computes in bf16 with float32 weights (:class:`Model`).
 
     Returns:
       A :class:`Model`.
@@ -349,7 +365,9 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
         raise errors.ConfigError(
             f"input_shape={input_shape!r} does not fit {name!r}: it takes (height, width, channels)."
         )
-    return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes)
+    dtype = options.pop("dtype", "float32")
+    errors.choice("dtype", dtype, ("float32", "bfloat16"), "--dtype")
+    return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes, dtype)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

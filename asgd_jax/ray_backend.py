@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -175,6 +176,7 @@ def run(
     eval_fn,
     eval_device,
     header: dict[str, Any],
+    on_metrics: Callable[[dict], Any] | None = None,
 ) -> session.TrainResult:
     """One session of the Ray backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     ray = require_ray()
@@ -183,7 +185,7 @@ def run(
     if config.out is not None:  # the store actor writes there: an absolute path on the driver's node
         config = config.replace(out=os.path.abspath(config.out))
     # Evaluations on the driver (its CPU by default), so that the workers keep the GPUs.
-    metrics, evaluator = driver.logs(config, eval_fn, eval_device or jax.devices("cpu")[0])
+    metrics, evaluator = driver.logs(config, eval_fn, eval_device or jax.devices("cpu")[0], on_metrics)
     if evaluator is not None:
         evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
     backend = _Ray(ray, config)

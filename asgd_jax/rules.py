@@ -56,6 +56,7 @@ __all__ = [
     "scale_by_delay_compensation",
     "scale_by_staleness",
     "staleness_aware_sgd",
+    "weight_decayed",
 ]
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
@@ -642,6 +643,37 @@ class PullRule(NamedTuple):
     init: Callable
     update: Callable
     pull: Callable
+
+
+@recipe(numbers=("rate",))
+def weight_decayed(rule: Any, rate: float | jax.Array) -> Any:
+    r"""``rule`` applied to the regularised gradient :math:`g + \text{rate} \cdot w_t`: L2 weight decay on the server's
+    current weights, chained before the rule (``optax.chain(optax.add_decayed_weights(rate), rule)``). DC-ASGD then
+    compensates the regularised gradient. A pull rule keeps its pull.
+
+    Example:
+      >>> import jax.numpy as jnp, asgd_jax
+      >>> rule = asgd_jax.rules.weight_decayed(asgd_jax.asgd(0.1), 0.5)
+      >>> w = jnp.array([2.0])
+      >>> rule.update(jnp.array([1.0]), rule.init(w), w)[0]  # -0.1 * (1 + 0.5 * 2)
+      Array([-0.2], dtype=float32)
+    """
+    errors.require(
+        isinstance(rate, jax.core.Tracer) or (isinstance(rate, int | float | np.number) and float(rate) >= 0),
+        "weight_decay",
+        rate,
+        "use a finite number >= 0",
+    )
+    # optax.chain hands the extra arguments (stale_params, staleness, worker) only to what it knows takes them.
+    inner = (
+        rule
+        if isinstance(rule, optax.GradientTransformationExtraArgs)
+        else optax.GradientTransformationExtraArgs(rule.init, rule.update)
+    )
+    chained = optax.chain(optax.add_decayed_weights(rate), inner)
+    if not callable(getattr(rule, "pull", None)):
+        return chained
+    return PullRule(chained.init, chained.update, lambda params, state, worker: rule.pull(params, state[1], worker))
 
 
 class DanaState(NamedTuple):

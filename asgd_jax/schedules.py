@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from asgd_jax import errors
 from asgd_jax.recipes import recipe
 
-__all__ = ["constant", "piecewise"]
+__all__ = ["constant", "cosine", "piecewise", "warmed_up"]
 
 Number = float | jax.Array
 
@@ -60,3 +60,39 @@ def piecewise(init_value: Number, boundaries: Sequence[Number], factor: Number =
         return v
 
     return schedule
+
+
+@recipe(numbers=("init_value", "decay_steps", "alpha"))
+def cosine(init_value: Number, decay_steps: Number, alpha: Number = 0.0) -> Callable:
+    r"""Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` updates, then flat: the same
+    arithmetic as ``optax.cosine_decay_schedule(init_value, decay_steps, alpha)``.
+
+    Example:
+      >>> from asgd_jax import schedules
+      >>> [round(float(schedules.cosine(1.0, 10, 0.1)(t)), 3) for t in (0, 5, 10, 20)]
+      [1.0, 0.55, 0.1, 0.1]
+    """
+    concrete = not isinstance(decay_steps, jax.core.Tracer)
+    errors.require(not concrete or float(decay_steps) > 0, "decay_steps", decay_steps, "give a count > 0")
+
+    def schedule(count):
+        progress = jnp.minimum(count, decay_steps) / decay_steps
+        decayed = (1 - alpha) * 0.5 * (1 + jnp.cos(jnp.pi * progress)) + alpha
+        return init_value * decayed
+
+    return schedule
+
+
+@recipe(numbers=("steps",))
+def warmed_up(schedule: Callable, steps: Number) -> Callable:
+    """``schedule`` times ``min(1, (count + 1) / steps)``: a linear warm-up over the first ``steps`` updates (Goyal et
+    al. 2017's gradual warm-up), then ``schedule`` itself.
+
+    Example:
+      >>> from asgd_jax import schedules
+      >>> [float(schedules.warmed_up(schedules.constant(1.0), 4)(t)) for t in range(5)]
+      [0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    concrete = not isinstance(steps, jax.core.Tracer)
+    errors.require(not concrete or float(steps) > 0, "steps", steps, "give a warm-up of at least one update")
+    return lambda count: schedule(count) * jnp.minimum(1.0, (count + 1) / steps)

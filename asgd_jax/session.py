@@ -138,6 +138,8 @@ class TrainConfig:
       backend: ``"threads"`` (this machine's devices) or ``"ray"`` (actors on a Ray cluster).
       ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made); default: a local instance.
       max_restarts: Ray: how often a dead worker actor is restarted before it is dropped.
+      tensorboard: also write every record of ``metrics.jsonl`` to TensorBoard event files in ``<out>/tensorboard``
+        (:mod:`asgd_jax.writers`; the optional extra ``asgd_jax[tensorboard]``).
 
     Example:
       >>> import asgd_jax
@@ -166,6 +168,7 @@ class TrainConfig:
     backend: str = "threads"
     ray_address: str | None = None
     max_restarts: int = 0
+    tensorboard: bool = False
 
     def __post_init__(self):
         flag = lambda name: "--" + name.replace("_", "-")
@@ -218,12 +221,23 @@ class TrainConfig:
         errors.require(self.resume in (True, False, "auto"), "resume", self.resume, "use True, False or 'auto'")
         errors.require(isinstance(self.progress, bool), "progress", self.progress, "use True or False", "--progress")
         errors.require(
+            isinstance(self.tensorboard, bool) and (self.out is not None or not self.tensorboard),
+            "tensorboard",
+            self.tensorboard,
+            "use True or False; event files need an output folder (--out)",
+            "--tensorboard",
+        )
+        errors.require(
             self.ray_address is None or isinstance(self.ray_address, str),
             "ray_address",
             self.ray_address,
             "give a Ray address such as 'auto' or 'host:6379', or None for a local instance",
             "--ray-address",
         )
+        self._check_slowdown_and_out(plan)
+
+    def _check_slowdown_and_out(self, plan: Plan) -> None:
+        """The stragglers (``{worker: factor}``) and the output folder, in the forms the rest of the run reads."""
         errors.require(
             self.slowdown is None or isinstance(self.slowdown, Mapping),
             "slowdown",
@@ -364,8 +378,8 @@ class MetricsLog:
     """``metrics.jsonl``: a record per log period (rates since the previous record), evaluation records, a final
     record. Without an output folder the records are computed and dropped."""
 
-    def __init__(self, num_workers: int, mode: str = "async"):
-        self.num_workers, self.mode = num_workers, mode
+    def __init__(self, num_workers: int, mode: str = "async", sinks: tuple[Callable[[dict], Any], ...] = ()):
+        self.num_workers, self.mode, self.sinks = num_workers, mode, tuple(sinks)
         self._file = None
         self._lock = threading.Lock()
         self._last: tuple = (time.perf_counter(), 0, [0] * num_workers, {})
@@ -411,18 +425,25 @@ class MetricsLog:
         return record
 
     def write(self, record: dict[str, Any]) -> None:
-        """Appends a record; a failing write (a full disk) is kept in ``error`` for the run to stop on."""
+        """Appends a record and hands it to every sink (TensorBoard, a callback); a failing write (a full disk) or a
+        sink that raises is kept in ``error`` for the run to stop on."""
         with self._lock:
-            if self._file is None or self._file.closed or self.error is not None:
+            if self.error is not None or (self._file is not None and self._file.closed):
                 return
             try:
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
-            except OSError as e:
-                self.error = e
+                if self._file is not None:
+                    self._file.write(json.dumps(record) + "\n")
+                    self._file.flush()
+                for sink in self.sinks:
+                    sink(record)
+            except Exception as e:  # a sink's own error, reported as the run's
+                self.error = e if isinstance(e, OSError) else OSError(f"a metrics sink failed: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         with self._lock:
+            for sink in self.sinks:
+                if callable(getattr(sink, "close", None)):
+                    sink.close()
             if self._file is not None:
                 try:
                     self._file.close()

@@ -38,12 +38,12 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import cache, errors, rules, schedules
+from asgd_jax import cache, errors, rules, setups
 from asgd_jax import data as data_lib
 from asgd_jax import delays as delays_lib
 from asgd_jax import metrics as metrics_lib
-from asgd_jax import models as models_lib
 from asgd_jax.plan import Plan
+from asgd_jax.setups import Setup
 from asgd_jax.simulator import Prepared, grid, prepare_sweep, simulate
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "StudyResult",
     "Variant",
     "ablate",
+    "arm_rule",
     "available",
     "best_tuned",
     "format_table",
@@ -168,16 +169,14 @@ class Arm:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """What every run of a study shares (a study has a quick and a full form of these).
+class Settings(Setup):
+    """What every run of a study shares (a study has a quick and a full form of these): a training
+    :class:`asgd_jax.setups.Setup` (data, model, batch, schedule, momentum, weight decay, augmentation, evaluation:
+    the same description ``asgd-jax train --config`` reads) and the study's own numbers.
 
     Attributes:
-      dataset, data_dir, model: data and model by name; model_options go to :func:`asgd_jax.models.get`.
       seeds: one run per seed and variant.
       epochs: effective passes over the training data per run (warm runs: after the warm-up).
-      batch_size: minibatch per worker.
-      learning_rate: initial learning rate.
-      schedule: ``"step"`` (/10 at 50% and 75%, DC-ASGD's) or ``"constant"``.
       mean_square_decay: DC-ASGD-a's m.
       compute_time: the workers' compute-time distribution.
       evals: test-error evaluations per run.
@@ -185,20 +184,15 @@ class Settings:
       warm_epochs: single-worker SGD epochs that make the warm-started weights.
       target_error: training error (smoothed) whose first crossing defines time-to-target.
       init_seed: seed of the shared initial weights.
-      momentum: momentum of every rule (the DC-ASGD paper reports none).
       workers, algorithms, lam_c, lam_a: the DC-ASGD Table-1 grid (``dcasgd_table1``, ``asgd-jax ablate``): worker
         counts, which of :data:`ALGORITHMS` run, and DC-ASGD-c's and -a's lambda_0.
+
+    The setup's ``schedule`` is DC-ASGD's step decay by default (/10 at 50% and 75% of the run); ``momentum`` is
+    every rule's (the DC-ASGD paper reports none).
     """
 
-    dataset: str = "mnist1d"
-    data_dir: str | None = None
-    model: str = "mlp"
-    model_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seeds: tuple[int, ...] = (0, 1, 2)
     epochs: float = 15.0
-    batch_size: int = 32
-    learning_rate: float = 0.5
-    schedule: str = "step"
     mean_square_decay: float = 0.95
     compute_time: str = "exponential"
     evals: int = 10
@@ -206,13 +200,13 @@ class Settings:
     warm_epochs: float = 2.0
     target_error: float = 0.5
     init_seed: int = 0
-    momentum: float | None = None
     workers: tuple[int, ...] = (1, 4, 8)
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
     lam_c: float = 0.04
     lam_a: float = 2.0
 
     def __post_init__(self):
+        super().__post_init__()
         errors.require(bool(self.seeds), "seeds", self.seeds, "give at least one seed")
         errors.require(
             bool(self.workers) and all(isinstance(m, int) and m >= 1 for m in self.workers),
@@ -228,11 +222,9 @@ class Settings:
             f"choose from {', '.join(ALGORITHMS)}",
         )
         errors.finite_number("epochs", self.epochs, positive=True)
-        errors.finite_number("learning_rate", self.learning_rate, positive=True)
         errors.finite_number("warm_epochs", self.warm_epochs, positive=True)
-        for name in ("batch_size", "evals", "window"):
+        for name in ("evals", "window"):
             errors.positive_int(name, getattr(self, name))
-        errors.choice("schedule", self.schedule, ("step", "constant"))
         errors.choice("compute_time", self.compute_time, delays_lib.COMPUTE_TIME_KINDS)
         # lam_c, lam_a, mean_square_decay and momentum are checked by the rule itself.
         rules.get("dc_asgd_c", 0.1, lam=self.lam_c, momentum=self.momentum)
@@ -365,8 +357,11 @@ def load(name_or_path: str | os.PathLike) -> Study:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def schedule(s: Settings, num_updates: int, learning_rate: float | jax.Array | None = None) -> optax.Schedule:
-    """The learning rate of a run of ``num_updates`` updates: constant, or DC-ASGD's steps (``"step"``).
+def schedule(
+    s: Settings, num_updates: int, learning_rate: float | jax.Array | None = None, updates_per_epoch: float = 1.0
+) -> optax.Schedule:
+    """The learning rate of a run of ``num_updates`` updates: the setup's (:meth:`Setup.learning_rate_schedule`),
+    DC-ASGD's steps by default.
 
     Example:
       >>> from asgd_jax import studies
@@ -374,15 +369,7 @@ def schedule(s: Settings, num_updates: int, learning_rate: float | jax.Array | N
       >>> [round(float(lr(t)), 4) for t in (79, 80, 120)]
       [0.5, 0.05, 0.005]
     """
-    lr = s.learning_rate if learning_rate is None else learning_rate  # may be traced: a sweep tunes it
-    if s.schedule == "constant":
-        return schedules.constant(lr)
-    # DC-ASGD divides by 10 at epochs 80 and 120 of 160: at 50% and 75% of the updates.
-    return schedules.piecewise(lr, _boundaries(num_updates), 0.1)
-
-
-def _boundaries(num_updates: int) -> tuple[int, ...]:
-    return tuple(sorted({int(0.5 * num_updates), int(0.75 * num_updates)}))
+    return s.learning_rate_schedule(num_updates, updates_per_epoch, learning_rate)
 
 
 def _arm_rules(variants: tuple[Variant, ...]) -> list[str]:
@@ -396,10 +383,10 @@ class _ArmRule:
 
     names: tuple[str, ...]
     learning_rate: float
-    schedule: str
-    boundaries: tuple[int, ...]
+    schedule: setups.Schedule  # the setup's, in updates of this arm's runs
     server_lr: float | None
     momentum: float | None
+    weight_decay: float
     mean_square_decay: float
     num_workers: int
     rule_options: tuple[tuple[str, Any], ...]
@@ -407,38 +394,36 @@ class _ArmRule:
     def build(self, rule: str, h: Mapping[str, jax.Array], lr: Any):
         takes = {*rules.defaults(rule), *rules.required(rule)}
         kwargs: dict[str, Any] = {}
-        if self.momentum is not None and "momentum" in takes:  # else the rule's own default (DANA's 0.9)
-            kwargs["momentum"] = self.momentum
         if "num_workers" in rules.required(rule):
             kwargs["num_workers"] = self.num_workers
         if rule == "dc_asgd":
             kwargs.update(mean_square_decay=self.mean_square_decay, lam=h["lam"], adaptive=h["adaptive"] > 0.5)
         kwargs.update({k: v for k, v in self.rule_options if k in takes})
         kwargs.update({k: v for k, v in h.items() if k in takes and k not in ("lam", "adaptive")})
-        return rules.get(rule, lr, **kwargs)
+        return setups.make_rule(rule, lr, momentum=self.momentum, weight_decay=self.weight_decay, **kwargs)
 
     def __call__(self, h: Mapping[str, jax.Array]):
-        if self.server_lr is not None:
-            lr = self.server_lr
-        else:
-            # The learning rate is traced only when the arm tunes it: a Python float keeps the schedule's constants
-            # folded, as they always were.
-            base = h.get("lr", self.learning_rate)
-            step = self.schedule == "step"
-            lr = schedules.piecewise(base, self.boundaries, 0.1) if step else schedules.constant(base)
+        # The learning rate is traced only when the arm tunes it: a Python float keeps the schedule's constants folded,
+        # as they always were. A server learning rate (GPU A-SGD's deltas) has no schedule.
+        lr = self.server_lr if self.server_lr is not None else self.schedule.build(h.get("lr", self.learning_rate))
         if len(self.names) == 1:
             return self.build(self.names[0], h, lr)
         return rules.one_of(h["rule"].astype("int32"), [self.build(name, h, lr) for name in self.names])
 
 
-def _rule_fn(variants: tuple[Variant, ...], arm: Arm, s: Settings, num_updates: int) -> _ArmRule:
+def arm_rule(arm: Arm, s: Settings, num_updates: int, updates_per_epoch: float) -> Callable[[Mapping], Any]:
+    """An arm's ``hparams -> rule`` for runs of ``num_updates`` (``updates_per_epoch`` converts the setup's epochs):
+    the registered rule of each variant with the setup's schedule, momentum and weight decay, its numbers traced. A
+    value: arms that build their rules alike share one compiled program. ``asgd-jax train`` builds its rule from the
+    same setup the same way (:meth:`asgd_jax.setups.Setup.rule`)."""
+    variants = arm.variants
     return _ArmRule(
         names=tuple(_arm_rules(variants)),
         learning_rate=s.learning_rate,
-        schedule=s.schedule,
-        boundaries=_boundaries(num_updates),
+        schedule=s.schedule_in_updates(num_updates, updates_per_epoch),
         server_lr=arm.server_lr,
         momentum=s.momentum,
+        weight_decay=s.weight_decay,
         mean_square_decay=s.mean_square_decay,
         num_workers=arm.plan.workers,
         rule_options=tuple(sorted(arm.rule_options.items())),
@@ -498,9 +483,9 @@ class _Setup:
 
 def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
     ds = data_lib.load(s.dataset, data_dir=s.data_dir)
-    model = models_lib.get(s.model, num_classes=ds.num_classes, input_shape=ds.input_shape, **s.model_options)
+    model = s.build_model(ds.num_classes, ds.input_shape)
     params0, model_state0 = model.init(jax.random.key(s.init_seed))
-    loss_fn = models_lib.classification_loss(model)
+    loss_fn = s.loss(model)
     warm = None
     if any(a.warm for a in arms):  # one warm start for the whole study: single-worker SGD from the shared init
         updates = max(1, round(s.warm_epochs * len(ds.y_train) / s.batch_size))
@@ -515,7 +500,7 @@ def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
             progress=progress,
         )
         warm = (w.params, w.model_state)
-    eval_fn = models_lib.classification_eval(model, ds.test)
+    eval_fn = s.evaluation(model, ds.test)
     return _Setup(ds, loss_fn, eval_fn, (params0, model_state0), warm)
 
 
@@ -544,7 +529,7 @@ def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRu
     params, model_state = setup.warm if arm.warm else setup.init
     prepared = prepare_sweep(
         setup.loss_fn,
-        _rule_fn(variants, arm, s, num_updates),
+        arm_rule(arm, s, num_updates, n / per_update),
         params,
         setup.ds.train,
         plan,
@@ -619,6 +604,7 @@ def run(
     progress: bool = True,
     settings: Settings | None = None,
     form: str | None = None,
+    on_arm: Callable[[Arm, list[dict[str, Any]], dict[str, Any]], Any] | None = None,
 ) -> StudyResult:
     """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
 
@@ -628,7 +614,10 @@ def run(
       progress: progress bars, one per arm, labelled with it.
       settings: override the form's settings (tests use a tiny one).
       form: a named form of the study (``"quick"``, ``"full"`` or one of ``study.forms``), instead of ``quick``.
+      on_arm: ``on_arm(arm, runs, curves)`` as each arm finishes: its rows of the results and its mean curves (to
+        log them elsewhere, or watch a long study).
     """
+    errors.require(on_arm is None or callable(on_arm), "on_arm", on_arm, "give a function of (arm, runs, curves)")
     start = time.perf_counter()
     cache.enable()  # the studies' programs are kept across processes (asgd_jax.cache)
     s = settings or study.form(form or ("quick" if quick else "full"))
@@ -651,6 +640,8 @@ def run(
             arm_runs, arm_curves = _arm_results(s, arm_run, result, setup)
             runs += _for_every(arm_run.arm, arm_runs)
             curves.update(arm_curves)
+            if on_arm is not None:
+                on_arm(arm_run.arm, arm_runs, arm_curves)
     finally:
         ahead.shutdown(wait=False, cancel_futures=True)
     return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
@@ -944,11 +935,16 @@ def plot_panels(result: StudyResult, path: str | os.PathLike) -> str:
 
 
 def save(
-    result: StudyResult, folder: str | os.PathLike, *, plots: tuple[str, ...] = ("final", "curves")
+    result: StudyResult,
+    folder: str | os.PathLike,
+    *,
+    plots: tuple[str, ...] = ("final", "curves"),
+    tensorboard: bool = False,
 ) -> dict[str, str]:
     """Writes ``results.json``, ``results.csv``, ``table.md`` and the plots into ``folder``: ``"final"`` and
     ``"curves"`` (:func:`plot`: ``final.png``, ``curves_<x>.png``), ``"panels"`` (:func:`plot_panels`:
-    ``curves.png``)."""
+    ``curves.png``); with ``tensorboard``, every curve as TensorBoard event files in ``folder/tensorboard/<series>``
+    (training error by update, test error at its evaluations; :mod:`asgd_jax.writers`)."""
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     study, s = result.study, result.settings
@@ -983,7 +979,26 @@ def save(
             paths[os.path.basename(p)] = p
     if "panels" in plots:
         paths["plot"] = plot_panels(result, os.path.join(folder, "curves.png"))
+    if tensorboard:
+        paths["tensorboard"] = _write_tensorboard(result.curves, os.path.join(folder, "tensorboard"))
     return paths
+
+
+def _write_tensorboard(curves: dict[str, dict[str, Any]], folder: str) -> str:
+    """Each series' mean curves as event files of its own (one line per series in TensorBoard)."""
+    from asgd_jax import writers
+
+    for name, curve in curves.items():
+        board = writers.TensorBoard(os.path.join(folder, writers.folder_name(name)))
+        try:
+            for update, error in zip(curve["update"], curve["train_error"], strict=True):
+                board({"kind": "train", "update": update, "error": error})
+            at = np.searchsorted(np.asarray(curve["epoch"]), np.asarray(curve["eval_epoch"]) - 1e-9) + 1
+            for update, error in zip(at.tolist(), curve["test_error"], strict=True):
+                board({"kind": "eval", "update": update, "error": error})
+        finally:
+            board.close()
+    return folder
 
 
 def ablate(*, quick: bool = False, progress: bool = True, **overrides: Any) -> StudyResult:

@@ -41,12 +41,13 @@ def run(
     devices: list[jax.Device],
     eval_device: jax.Device | None,
     header: dict[str, Any],
+    on_metrics: Callable[[dict], Any] | None = None,
 ) -> session.TrainResult:
     """One session of the threaded backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     m = config.plan.workers
     groups = worker.device_groups(devices, config.devices_per_worker)
     spare = [d for d in devices if d not in {d for g in groups[: min(len(groups), m)] for d in g}]
-    metrics, evaluator = driver.logs(config, eval_fn, eval_device or (spare or devices)[-1])
+    metrics, evaluator = driver.logs(config, eval_fn, eval_device or (spare or devices)[-1], on_metrics)
     the_store = store.for_run(rule, params, config, header=header, model_state=model_state, evaluates=bool(eval_fn))
     endpoint = store.Endpoint(the_store, config.plan.mode, timeout=config.timeout)
     status = the_store.status()

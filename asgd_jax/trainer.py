@@ -55,6 +55,7 @@ def train(
     eval_fn: Callable | None = None,
     devices: list[jax.Device] | None = None,
     eval_device: jax.Device | None = None,
+    on_metrics: Callable[[dict[str, Any]], Any] | None = None,
 ) -> TrainResult:
     """Trains with ``config.plan.workers`` asynchronous workers against a parameter store.
 
@@ -66,6 +67,8 @@ def train(
         updates, on ``eval_device`` in a thread of its own (workers never wait for it), and once at the end.
       devices: threads backend: the devices to spread the workers over (default: all of ``jax.devices()``).
       eval_device: where evaluations run (default: a device no worker uses, else the last; on Ray the driver's CPU).
+      on_metrics: called with every record of ``metrics.jsonl`` as it is written (training, evaluation, final; also
+        without ``out``), in the driver's process; an exception it raises stops the run as a full disk does.
 
     Raises:
       ValueError: a bad argument (:class:`asgd_jax.errors.ConfigError`), before anything compiles or starts.
@@ -74,6 +77,11 @@ def train(
     """
     config = TrainConfig() if config is None else config
     errors.require(isinstance(config, TrainConfig), "config", config, "pass an asgd_jax.trainer.TrainConfig")
+    errors.require(on_metrics is None or callable(on_metrics), "on_metrics", on_metrics, "give a function of a record")
+    if config.tensorboard:
+        from asgd_jax import writers
+
+        writers.TensorBoard.check()  # the optional extra is there, before anything starts
     loss = loss_lib.as_loss(loss_fn, has_model_state=model_state is not None, has_aux=has_aux)
     plan = config.plan
     if plan.eval_every is not None and eval_fn is None:
@@ -88,11 +96,11 @@ def train(
         require_ray()  # fails at once, with the install command
     lock = contextlib.nullcontext() if config.out is None else session.RunLock(config.out)  # one run per folder
     with interrupts.watch(), lock:
-        return _start(loss, rule, params, data, config, ex, model_state, eval_fn, devices, eval_device)
+        return _start(loss, rule, params, data, config, ex, model_state, eval_fn, devices, eval_device, on_metrics)
 
 
 def _start(
-    loss, rule, params, data, config: TrainConfig, ex, model_state, eval_fn, devices, eval_device
+    loss, rule, params, data, config: TrainConfig, ex, model_state, eval_fn, devices, eval_device, on_metrics
 ) -> TrainResult:
     """The run, once its folder is this process's: the resume decision and checks, the warm start, the backend."""
     plan = config.plan
@@ -116,7 +124,9 @@ def _start(
     if config.out is not None:
         _record_plan(config.out, plan)
     main = config.replace(plan=plan.replace(num_updates=plan.num_updates - config.warm_start_steps), warm_start_steps=0)
-    kwargs = dict(ex=ex, model_state=model_state, eval_fn=eval_fn, eval_device=eval_device, header=header)
+    kwargs = dict(
+        ex=ex, model_state=model_state, eval_fn=eval_fn, eval_device=eval_device, header=header, on_metrics=on_metrics
+    )
     if config.backend == "ray":
         from asgd_jax import ray_backend
 

@@ -309,7 +309,7 @@ def test_a_damaged_checkpoint_is_reported_in_one_line(tmp_path, damage, capsys):
         (["--timeout", "0"], r"timeout=0.0 \(--timeout\) is invalid"),
         (["--checkpoint-every", "0"], r"checkpoint_every=0 \(--checkpoint-every\) is invalid"),
         (["--local-lr", "-1"], r"local_lr=-1.0 \(--local-lr\) is invalid"),
-        (["--lr", "inf"], r"learning_rate=inf is invalid"),
+        (["--lr", "inf"], r"learning_rate=inf \(--lr\) is invalid"),
         (["--max-nonfinite", "0"], r"max_nonfinite=0 \(--max-nonfinite\) is invalid"),
         (["--slowdown", "fast"], r"--slowdown 'fast' is invalid"),
         (["--rule", "asgd", "--lam", "0.5"], r"--rule"),

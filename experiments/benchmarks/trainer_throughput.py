@@ -1,0 +1,154 @@
+"""The trainer's throughput: updates/s with 1, 2 and 4 workers beside the floor, and what one push costs the store.
+
+Two model sizes, the `cnn` (13,706 parameters on 8x8 inputs) and ResNet-20 (269,722 on 32x32x3, CIFAR-10's size),
+batch 32 per worker, DC-ASGD-a (per-worker MeanSquare, the heaviest rule), on the devices JAX sees (8 fake CPU
+devices here: each worker owns one). Measured side by side in one process:
+
+- floor: what a user writes without this project: one `jax.jit` SGD step of the same model and batch (plain optax),
+  called in a loop on one device: steps/s.
+- trainer xM: `asgd_jax.train` with M worker threads, updates/s over the run (the trainer compiles before its clock
+  starts), and its ratio to the floor.
+- store: one push through the `ParameterStore` end to end (validation, host-to-device copy, the jitted exchange, the
+  trace, the host copy of the fresh weights back), beside the jitted exchange alone, in milliseconds.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/benchmarks/trainer_throughput.py
+    ... trainer_throughput.py --quick      # fewer updates (~3 minutes on 2 cores)
+
+On a GPU machine run it as is: it uses the devices JAX sees (one worker per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import numpy as np
+import optax
+
+import asgd_jax
+from asgd_jax.plan import Plan
+from asgd_jax.store import ParameterStore
+from asgd_jax.trainer import TrainConfig, train
+
+BATCH = 32
+
+
+def problem(name: str):
+    rng = np.random.default_rng(0)
+    if name == "cnn":
+        ds = asgd_jax.data.load("digits")
+        x, y, shape = ds.x_train, ds.y_train, ds.input_shape
+    else:  # CIFAR-10's shapes, random pixels: throughput does not depend on what the pixels are
+        x = rng.normal(size=(2048, 32, 32, 3)).astype(np.float32)
+        y = rng.integers(0, 10, size=2048).astype(np.int32)
+        shape = (32, 32, 3)
+    model = asgd_jax.models.get(name, num_classes=10, input_shape=shape)
+    params, state = model.init(jax.random.key(0))
+    return model, params, state, {"x": x, "y": y}
+
+
+def floor(model, params, state, data, steps: int) -> float:
+    """Steps/s of a plain jitted optax SGD step (nothing of ours but the flax module)."""
+    opt = optax.sgd(0.05)
+
+    def loss(p, s, b):
+        logits, s = (
+            model.module.apply({"params": p, **s}, b["x"], train=True, mutable=list(s))
+            if s
+            else (
+                model.module.apply({"params": p}, b["x"], train=True),
+                s,
+            )
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean(), s
+
+    @jax.jit
+    def step(p, o, s, b):
+        (_, s), g = jax.value_and_grad(loss, has_aux=True)(p, s, b)
+        u, o = opt.update(g, o, p)
+        return optax.apply_updates(p, u), o, s
+
+    n = len(data["y"])
+    batches = [{k: v[i * BATCH % n : i * BATCH % n + BATCH] for k, v in data.items()} for i in range(8)]
+    p, o, s = params, opt.init(params), state
+    p, o, s = jax.block_until_ready(step(p, o, s, batches[0]))  # compiled before the clock
+    t0 = time.perf_counter()
+    for i in range(steps):
+        p, o, s = step(p, o, s, batches[i % 8])
+    jax.block_until_ready(p)
+    return steps / (time.perf_counter() - t0)
+
+
+def trainer(model, params, state, data, workers: int, updates: int) -> float:
+    config = TrainConfig(Plan(workers, num_updates=updates, batch_size=BATCH), progress=False)
+    result = train(
+        asgd_jax.classification_loss(model),
+        asgd_jax.rules.get("dc_asgd_a", 0.05),
+        params,
+        data,
+        config,
+        model_state=state,
+        devices=jax.devices()[: max(workers, 1)],
+    )
+    return result.pushes_applied / result.seconds
+
+
+def store_push(params, state, pushes: int) -> tuple[float, float]:
+    """Milliseconds per push through the store, and for its jitted exchange alone (median of ``pushes``)."""
+    rule = asgd_jax.rules.get("dc_asgd_a", 0.05)
+    with tempfile.TemporaryDirectory() as out:
+        store = ParameterStore(rule, params, 4, model_state=state, out_dir=out)
+        store.warm_up()
+        grads = jax.tree.map(lambda x: np.full(x.shape, 1e-3, np.float32), params)
+        whole = []
+        for i in range(pushes):
+            t0 = time.perf_counter()
+            store.push(i % 4, grads, i, state).result()
+            whole.append(time.perf_counter() - t0)
+        lowered = store.lower_exchange(0, grads, state).compile()
+        state_copy = store.state()
+        args = jax.device_put((state_copy, np.int32(0), grads, state), store.device)
+        alone = []
+        for _ in range(pushes):
+            fresh = jax.device_put(args, store.device)
+            jax.block_until_ready(fresh)
+            t0 = time.perf_counter()
+            jax.block_until_ready(lowered(*fresh))
+            alone.append(time.perf_counter() - t0)
+        store.close()
+    return 1e3 * statistics.median(whole), 1e3 * statistics.median(alone)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer updates")
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet20"])
+    args = parser.parse_args()
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} device(s), batch {BATCH}, DC-ASGD-a"
+    )
+    for name in args.models:
+        model, params, state, data = problem(name)
+        size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        small = name == "cnn"
+        steps = (400 if small else 24) if args.quick else (2000 if small else 80)
+        base = floor(model, params, state, data, steps)
+        print(f"\n{name} ({size:,} parameters): floor {base:.1f} steps/s")
+        for workers in (1, 2, 4):
+            rate = trainer(model, params, state, data, workers, steps)
+            print(f"  trainer x{workers}: {rate:.1f} updates/s  ({rate / base:.2f} x floor)")
+        whole, alone = store_push(params, state, 50 if args.quick else 200)
+        print(
+            f"  one push through the store: {whole:.2f} ms (the jitted exchange alone {alone:.2f} ms): "
+            f"at most {1e3 / whole:.0f} pushes/s"
+        )
+
+
+if __name__ == "__main__":
+    main()
