@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import delays as delays_lib
@@ -492,7 +493,9 @@ def _aval_key(args: Any) -> Hashable:
     def one(x):
         if isinstance(x, bool | int | float):  # a Python number reaches a program weakly typed
             return ((), jnp.result_type(type(x)).name, True)
-        return (tuple(np.shape(x)), str(x.dtype), bool(getattr(x, "weak_type", False)))
+        sharding = getattr(x, "sharding", None)  # a sharded sweep's arrays: the program is partitioned for them
+        spread = (sharding.mesh.devices.shape, sharding.spec) if isinstance(sharding, NamedSharding) else None
+        return (tuple(np.shape(x)), str(x.dtype), bool(getattr(x, "weak_type", False)), spread)
 
     return treedef, tuple(one(x) for x in leaves)
 
@@ -784,6 +787,7 @@ class _Call(NamedTuple):
     progress: bool
     callback: Callable | None
     description: str
+    runs: int | None = None  # a sharded sweep's own runs (the rest pad the runs axis to the devices)
 
 
 def _header(call: _Call, program: _Program) -> dict[str, Any]:
@@ -883,8 +887,12 @@ def _chunks(program: _Program, call: _Call) -> SimulationResult:
     finally:
         if bar is not None:
             bar.close()
+    metrics = _metrics(so_far, axis)
+    if call.runs is not None:  # a sharded sweep: the runs that pad its runs axis to the devices are dropped
+        keep = lambda x: np.asarray(x)[: call.runs] if np.ndim(x) else x
+        state, metrics = jax.tree.map(keep, jax.device_get(state)), {k: keep(v) for k, v in metrics.items()}
     params, model_state = state.server.params, state.server.model_state
-    return SimulationResult(params, model_state, state, _metrics(so_far, axis), plan)
+    return SimulationResult(params, model_state, state, metrics, plan)
 
 
 def _save(path: str, state: SimState, so_far: _Progress, header: dict[str, Any], axis: int) -> None:
@@ -1099,6 +1107,11 @@ def sweep(*args: Any, **kwargs: Any) -> SimulationResult:
       delays_fn: ``delays_fn(hparams) -> model``: each run's delay model (e.g. ``lambda h: Workers(8,
         straggler_prob=h["p"])``).
       description: the progress bar's label (default ``"sweep xR"``).
+      devices: the devices the runs are split over (``jax.sharding`` on the runs axis, padded with copies of the
+        last run to a multiple of their number, the padding dropped from the result): 16 runs on 8 GPUs use all 8.
+        Default: every local accelerator; on a CPU one device (fake CPU devices share the same cores). A run's numbers
+        do not depend on the split, to float rounding (XLA partitions the program; on XLA:CPU the least-squares
+        sweeps of the tests are the same bits, a network's within one ulp).
 
     Returns:
       A :class:`SimulationResult` whose arrays have a leading run axis ``R``.
@@ -1158,6 +1171,7 @@ def prepare_sweep(
     progress: bool = True,
     callback: Callable[[int, SimState], None] | None = None,
     description: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
 ) -> Prepared:
     """:func:`sweep`'s arguments checked (everything a user can get wrong, before anything compiles) and bound to the
     sweep's programs, without running it: ``prepare_sweep(...).run()`` is ``sweep(...)``; ``.compile()`` compiles
@@ -1165,9 +1179,13 @@ def prepare_sweep(
     """
     plan = _check_plan(plan)
     _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
+    devices = _check_devices(devices)
     keys = _check_key("keys", keys, batched=True)
-    num_runs = int(keys.shape[0])
+    num_runs = own_runs = int(keys.shape[0])
     hparams = _check_hparams(hparams, num_runs, per_run_arrays=delays_fn is not None)
+    if len(devices) > 1:  # the runs axis split over the devices, padded with copies of the last run to fit
+        num_runs = -(-own_runs // len(devices)) * len(devices)
+        keys, hparams = _pad_runs((keys, hparams), num_runs)
     first = {k: np.asarray(v)[0] for k, v in hparams.items()}  # on the host: no device work to check a rule
     if delays_fn is None:
         delays_source, delay_numbers = _plan_delays(plan)
@@ -1200,9 +1218,49 @@ def prepare_sweep(
         checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
         progress=_check_progress(progress),
         callback=callback,
-        description=description or f"sweep x{num_runs}",
+        description=description or f"sweep x{own_runs}" + (f" on {len(devices)} devices" if len(devices) > 1 else ""),
+        runs=own_runs if len(devices) > 1 else None,
     )
-    return Prepared(program, call)
+    return Prepared(program, _spread(call, devices) if len(devices) > 1 else call)
+
+
+def _check_devices(devices: Any) -> list[jax.Device]:
+    """The devices a sweep's runs are split over: given, or every local accelerator (one device on a CPU, whose fake
+    devices share the same cores)."""
+    if devices is None:
+        local = jax.local_devices()
+        return local if local[0].platform != "cpu" else local[:1]
+    listed = list(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else []
+    errors.require(
+        bool(listed) and all(isinstance(d, jax.Device) for d in listed) and len(set(listed)) == len(listed),
+        "devices",
+        devices,
+        "give a list of distinct jax devices, e.g. jax.devices()",
+    )
+    return listed
+
+
+def _pad_runs(tree: Any, runs: int) -> Any:
+    """Every leaf's runs axis (its first) padded to ``runs`` with copies of its last run."""
+
+    def pad(x):
+        extra = runs - x.shape[0]
+        return jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)]) if extra else x
+
+    return jax.tree.map(pad, tree)
+
+
+def _spread(call: _Call, devices: list[jax.Device]) -> _Call:
+    """A sweep's arguments placed over ``devices``: the runs axis split, everything shared replicated."""
+    mesh = Mesh(np.asarray(devices), ("runs",))
+    split, whole = NamedSharding(mesh, PartitionSpec("runs")), NamedSharding(mesh, PartitionSpec())
+    keys, hparams = jax.device_put((call.keys, call.hparams), split)
+    params, model_state, data, eval_data = jax.device_put(
+        (call.params, call.model_state, call.data, call.eval_data), whole
+    )
+    return call._replace(
+        keys=keys, hparams=hparams, params=params, model_state=model_state, data=data, eval_data=eval_data
+    )
 
 
 sweep.__signature__ = inspect.signature(prepare_sweep).replace(return_annotation=SimulationResult)

@@ -68,3 +68,15 @@ def test_the_wheel_lists_and_loads_the_shipped_studies_outside_the_checkout(inst
     )
     loaded = subprocess.run([*python, check], capture_output=True, text=True, cwd=tmp)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "mine", loaded.stderr
+
+
+def test_the_wheel_carries_the_papers_training_setups(installed):
+    env, _, tmp = installed
+    check = (
+        "from asgd_jax import cli, setups\n"
+        "args = cli.parse(['train', '--config', 'dcasgd_cifar10'])\n"
+        "print(cli.shipped_configs(), args.model, args.num_updates, cli.setup_of(args).schedule)\n"
+    )
+    loaded = subprocess.run([str(env / "bin" / "python"), "-c", check], capture_output=True, text=True, cwd=tmp)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "['dcasgd_cifar10', 'gpu_asgd_cifar10'] resnet20 62500 step"
