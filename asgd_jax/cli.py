@@ -562,6 +562,7 @@ def _add_run(sub) -> None:
     p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 instead of the form's [the form's]")
     p.add_argument("--epochs", type=float, default=None, help="effective epochs per run [the form's]")
     p.add_argument("--tensorboard", action="store_true", help="also write every curve as TensorBoard event files")
+    p.add_argument("--resume", action="store_true", help="finish a study killed midway: run only the missing arms")
     p.set_defaults(func=_run_study)
     r = sub.add_parser(
         "report",
@@ -604,7 +605,9 @@ def _run_study(args: argparse.Namespace) -> int:
         from asgd_jax import writers
 
         writers.TensorBoard.check()  # the extra is there, before the study runs
-    result = studies.run(study, quick=args.quick, progress=not args.no_progress, settings=settings)
+    result = studies.run(
+        study, quick=args.quick, progress=not args.no_progress, settings=settings, out=out, resume=args.resume
+    )
     paths = studies.save(result, out, tensorboard=args.tensorboard)
     print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")
     print("Wrote " + ", ".join(paths.values()))

@@ -26,10 +26,12 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
 import pkgutil
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +41,7 @@ import numpy as np
 import optax
 
 from asgd_jax import cache, errors, rules, setups
+from asgd_jax import checkpoint as checkpoint_lib
 from asgd_jax import data as data_lib
 from asgd_jax import delays as delays_lib
 from asgd_jax import metrics as metrics_lib
@@ -69,6 +72,8 @@ __all__ = [
     "schedule",
     "time_to_target",
 ]
+
+log = logging.getLogger("asgd_jax.studies")
 
 METRICS = {
     "test_error": "final test error (%)",
@@ -605,6 +610,8 @@ def run(
     settings: Settings | None = None,
     form: str | None = None,
     on_arm: Callable[[Arm, list[dict[str, Any]], dict[str, Any]], Any] | None = None,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
 ) -> StudyResult:
     """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
 
@@ -615,7 +622,13 @@ def run(
       settings: override the form's settings (tests use a tiny one).
       form: a named form of the study (``"quick"``, ``"full"`` or one of ``study.forms``), instead of ``quick``.
       on_arm: ``on_arm(arm, runs, curves)`` as each arm finishes: its rows of the results and its mean curves (to
-        log them elsewhere, or watch a long study).
+        log them elsewhere, or watch a long study); on a resume, the arms found done are handed over first.
+      out: a folder that keeps each finished arm (``<out>/arms/<i>.json``, written atomically as the arm finishes),
+        so that a study killed midway loses at most the arm it was running (:func:`save` into the same folder
+        clears them once the results are written).
+      resume: with ``out``: run only the arms not found there (the same tables as an uninterrupted run); the study,
+        its form and settings must be the ones the folder's arms were run with. Without it, a folder holding an
+        unfinished study is refused.
     """
     errors.require(on_arm is None or callable(on_arm), "on_arm", on_arm, "give a function of (arm, runs, curves)")
     start = time.perf_counter()
@@ -624,27 +637,109 @@ def run(
     arms = study.arms(s, quick)
     if not arms:
         raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
+    kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume)
+    found = {} if kept is None else kept.found()
+    if found:
+        log.info("resuming %s: %d of %d arms done in %s", study.name, len(found), len(arms), out)
     setup = _setup(s, arms, progress)
-    prepared = [_prepare_arm(s, arm, setup, progress) for arm in arms]  # every arm checked before any runs
+    # Every arm still to run is checked before any runs.
+    prepared = {i: _prepare_arm(s, arm, setup, progress) for i, arm in enumerate(arms) if i not in found}
     runs: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}
+
+    def finished(arm: Arm, arm_runs: list[dict[str, Any]], arm_curves: dict[str, Any]) -> None:
+        runs.extend(_for_every(arm, arm_runs))
+        curves.update(arm_curves)
+        if on_arm is not None:
+            on_arm(arm, arm_runs, arm_curves)
+
     # The arms' programs compile (or load) on threads of their own, in order, while the earlier arms compute: a
     # compilation releases Python's lock, so the time a study waits for the compiler shrinks to its first arm's.
     threads = max(1, min(2, (os.cpu_count() or 1) - 1))  # beside the compute: two threads need three cores
     ahead = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="asgd_jax-compile")
     try:
-        compiled = [ahead.submit(arm_run.sweep.compile) for arm_run in prepared]
-        for arm_run, done in zip(prepared, compiled, strict=True):
-            result = arm_run.sweep.run()  # waits for its compilation if it is still under way
-            done.result()
-            arm_runs, arm_curves = _arm_results(s, arm_run, result, setup)
-            runs += _for_every(arm_run.arm, arm_runs)
-            curves.update(arm_curves)
-            if on_arm is not None:
-                on_arm(arm_run.arm, arm_runs, arm_curves)
+        compiled = {i: ahead.submit(arm_run.sweep.compile) for i, arm_run in prepared.items()}
+        for i, arm in enumerate(arms):
+            if i in found:
+                finished(arm, *found[i])
+                continue
+            result = prepared[i].sweep.run()  # waits for its compilation if it is still under way
+            compiled[i].result()
+            arm_runs, arm_curves = _arm_results(s, prepared[i], result, setup)
+            if kept is not None:
+                kept.keep(i, arm_runs, arm_curves)
+            finished(arm, arm_runs, arm_curves)
     finally:
         ahead.shutdown(wait=False, cancel_futures=True)
     return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+
+
+ARMS = "arms"  # the folder of a study's finished arms, under its output folder
+
+
+def _manifest(study: Study, s: Settings, quick: bool, arms: list[Arm]) -> dict[str, Any]:
+    """What a folder's finished arms were run with, as JSON reads it back: a resume must match it."""
+    manifest = {
+        "study": study.name,
+        "quick": quick,
+        "settings": dataclasses.asdict(s),
+        "arms": [{**arm.coords, "description": arm.description} for arm in arms],
+    }
+    return json.loads(json.dumps(manifest, default=str))
+
+
+class _ArmStore:
+    """A study's finished arms in ``<out>/arms``: a manifest, then one JSON file per arm as it finishes."""
+
+    def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool):
+        self.folder = os.path.join(errors.output_folder("out", out, "--out"), ARMS)
+        path = os.path.join(self.folder, "study.json")
+        if os.path.exists(path):
+            saved = checkpoint_lib.read_json(path)
+            done = len([f for f in os.listdir(self.folder) if f[:-5].isdigit()])
+            if not resume:
+                raise errors.ConfigError(
+                    f"{out} holds an unfinished run of study {saved.get('study')!r} ({done} of "
+                    f"{len(saved.get('arms', []))} arms done): pass resume=True (--resume) to finish it, or choose "
+                    "another output folder."
+                )
+            differ = sorted(_differences(saved, manifest))
+            errors.require(
+                not differ,
+                "resume",
+                True,
+                f"{out}'s arms were run with other settings ({'; '.join(differ[:4])}): use the same study, form and "
+                "settings, or another output folder",
+                "--resume",
+            )
+        else:
+            os.makedirs(self.folder, exist_ok=True)
+            checkpoint_lib.write_json(path, manifest)
+        self.manifest = manifest
+
+    def found(self) -> dict[int, tuple[list[dict[str, Any]], dict[str, Any]]]:
+        """The arms finished before, by index: their runs and curves."""
+        out = {}
+        for i in range(len(self.manifest["arms"])):
+            path = os.path.join(self.folder, f"{i}.json")
+            if os.path.exists(path):
+                saved = checkpoint_lib.read_json(path)
+                out[i] = (saved["runs"], saved["curves"])
+        return out
+
+    def keep(self, i: int, runs: list[dict[str, Any]], curves: dict[str, Any]) -> None:
+        checkpoint_lib.write_json(os.path.join(self.folder, f"{i}.json"), {"runs": runs, "curves": curves})
+
+
+def _differences(saved: Any, now: Any, where: str = "") -> list[str]:
+    """Where two JSON values differ, as ``path: saved -> now`` lines."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [
+            d for k in sorted(set(saved) | set(now)) for d in _differences(saved.get(k), now.get(k), f"{where}.{k}")
+        ]
+    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
+        return [d for i, (a, b) in enumerate(zip(saved, now, strict=True)) for d in _differences(a, b, f"{where}[{i}]")]
+    return [] if saved == now else [f"{where.lstrip('.')}: {saved!r} then, {now!r} now"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -981,6 +1076,7 @@ def save(
         paths["plot"] = plot_panels(result, os.path.join(folder, "curves.png"))
     if tensorboard:
         paths["tensorboard"] = _write_tensorboard(result.curves, os.path.join(folder, "tensorboard"))
+    shutil.rmtree(os.path.join(folder, ARMS), ignore_errors=True)  # finished: nothing left to resume
     return paths
 
 
