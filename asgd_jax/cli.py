@@ -563,6 +563,8 @@ def _add_run(sub) -> None:
     p.add_argument("--epochs", type=float, default=None, help="effective epochs per run [the form's]")
     p.add_argument("--tensorboard", action="store_true", help="also write every curve as TensorBoard event files")
     p.add_argument("--resume", action="store_true", help="finish a study killed midway: run only the missing arms")
+    p.add_argument("--backend", default="local", choices=("local", "ray"), help="ray: each arm a task on a cluster")
+    p.add_argument("--ray-address", default=None, help="the Ray cluster to join ('auto': the local `ray start`)")
     p.set_defaults(func=_run_study)
     r = sub.add_parser(
         "report",
@@ -606,7 +608,14 @@ def _run_study(args: argparse.Namespace) -> int:
 
         writers.TensorBoard.check()  # the extra is there, before the study runs
     result = studies.run(
-        study, quick=args.quick, progress=not args.no_progress, settings=settings, out=out, resume=args.resume
+        study,
+        quick=args.quick,
+        progress=not args.no_progress,
+        settings=settings,
+        out=out,
+        resume=args.resume,
+        backend=args.backend,
+        ray_address=args.ray_address,
     )
     paths = studies.save(result, out, tensorboard=args.tensorboard)
     print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")

@@ -61,6 +61,7 @@ __all__ = [
     "ablate",
     "arm_rule",
     "available",
+    "run_arm",
     "best_tuned",
     "format_table",
     "load",
@@ -612,6 +613,8 @@ def run(
     on_arm: Callable[[Arm, list[dict[str, Any]], dict[str, Any]], Any] | None = None,
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    backend: str = "local",
+    ray_address: str | None = None,
 ) -> StudyResult:
     """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
 
@@ -629,8 +632,18 @@ def run(
       resume: with ``out``: run only the arms not found there (the same tables as an uninterrupted run); the study,
         its form and settings must be the ones the folder's arms were run with. Without it, a folder holding an
         unfinished study is refused.
+      backend: ``"local"`` (the arms one after another in this process, each over every local accelerator) or
+        ``"ray"``: each arm a Ray task (:func:`run_arm`; a GPU each where the cluster has them), gathered into the same
+        result in arm order (identical numbers), one progress bar for the study, a task whose worker died retried
+        (up to :data:`MAX_RETRIES` times), an arm that fails for its own reason named with it.
+      ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made); default: a local instance.
     """
     errors.require(on_arm is None or callable(on_arm), "on_arm", on_arm, "give a function of (arm, runs, curves)")
+    errors.choice("backend", backend, BACKENDS, "--backend")
+    if backend == "ray":
+        from asgd_jax.ray_backend import require_ray
+
+        require_ray()  # fails at once, with the install command
     start = time.perf_counter()
     cache.enable()  # the studies' programs are kept across processes (asgd_jax.cache)
     s = settings or study.form(form or ("quick" if quick else "full"))
@@ -641,17 +654,24 @@ def run(
     found = {} if kept is None else kept.found()
     if found:
         log.info("resuming %s: %d of %d arms done in %s", study.name, len(found), len(arms), out)
-    setup = _setup(s, arms, progress)
-    # Every arm still to run is checked before any runs.
-    prepared = {i: _prepare_arm(s, arm, setup, progress) for i, arm in enumerate(arms) if i not in found}
     runs: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}
 
-    def finished(arm: Arm, arm_runs: list[dict[str, Any]], arm_curves: dict[str, Any]) -> None:
+    def finished(arm: Arm, arm_runs: list[dict[str, Any]], arm_curves: dict[str, Any], tell: bool = True) -> None:
         runs.extend(_for_every(arm, arm_runs))
         curves.update(arm_curves)
-        if on_arm is not None:
+        if on_arm is not None and tell:
             on_arm(arm, arm_runs, arm_curves)
+
+    if backend == "ray":
+        done = None if on_arm is None else lambda i, result: on_arm(arms[i], *result)  # as each arm finishes
+        results = _run_on_ray(study, s, quick, arms, found, kept, progress, ray_address, done)
+        for i, arm in enumerate(arms):  # the results in arm order, whatever order the tasks finished in
+            finished(arm, *results[i], tell=False)
+        return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+    setup = _setup(s, arms, progress)
+    # Every arm still to run is checked before any runs.
+    prepared = {i: _prepare_arm(s, arm, setup, progress) for i, arm in enumerate(arms) if i not in found}
 
     # The arms' programs compile (or load) on threads of their own, in order, while the earlier arms compute: a
     # compilation releases Python's lock, so the time a study waits for the compiler shrinks to its first arm's.
@@ -675,6 +695,54 @@ def run(
 
 
 ARMS = "arms"  # the folder of a study's finished arms, under its output folder
+BACKENDS = ("local", "ray")
+MAX_RETRIES = 3  # a Ray task whose worker died is run again this many times
+
+
+def run_arm(study: Study, settings: Settings, quick: bool, index: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One arm of a study, alone: its data, model and warm start made as :func:`run` makes them, its sweep run; its
+    rows of the results and its mean curves (what a Ray task of ``run(backend="ray")`` computes)."""
+    cache.enable()  # a Ray worker reuses the programs other workers (and runs) compiled
+    arms = study.arms(settings, quick)
+    errors.require(0 <= index < len(arms), "index", index, f"the study has {len(arms)} arms")
+    setup = _setup(settings, arms, progress=False)
+    prepared = _prepare_arm(settings, arms[index], setup, progress=False)
+    return _arm_results(settings, prepared, prepared.sweep.run(), setup)
+
+
+def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done) -> dict[int, tuple]:
+    """Every arm not ``found`` as a Ray task, gathered by index as they finish (kept as they finish, with ``kept``;
+    ``done(index, result)`` told of each, the found ones first)."""
+    import ray
+    from tqdm.auto import tqdm
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=MAX_RETRIES, retry_exceptions=False)(run_arm)
+    pending = {task.remote(study, s, quick, i): i for i in range(len(arms)) if i not in found}
+    results = dict(found)
+    for i in sorted(found) if done is not None else ():
+        done(i, found[i])
+    with tqdm(
+        total=len(arms), initial=len(found), disable=not progress, desc=f"{study.name} on Ray", unit="arm"
+    ) as bar:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            i = pending.pop(ready[0])
+            try:
+                results[i] = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                raise RuntimeError(f"arm {i} ({arms[i].description}) failed: {type(cause).__name__}: {cause}") from None
+            if kept is not None:
+                kept.keep(i, *results[i])
+            if done is not None:
+                done(i, results[i])
+            bar.update(1)
+    return results
 
 
 def _manifest(study: Study, s: Settings, quick: bool, arms: list[Arm]) -> dict[str, Any]:
