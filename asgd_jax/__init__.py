@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the names, for type checkers and readers; at run time they 
     from asgd_jax import server as server
     from asgd_jax import session as session
     from asgd_jax import store as store
+    from asgd_jax.comparison import Comparison, compare
     from asgd_jax.errors import ConfigError
     from asgd_jax.loss import Loss
     from asgd_jax.models import classification_eval, classification_loss
@@ -77,6 +78,8 @@ _NAMES = {
     "grid": "simulator",
     "simulate": "simulator",
     "sweep": "simulator",
+    "compare": "comparison",
+    "Comparison": "comparison",
     "TrainConfig": "trainer",
     "train": "trainer",
 }
@@ -107,6 +110,7 @@ __version__ = "0.1.0"
 # What users call: the rules, the simulator, the trainer, data and models, the studies' building blocks. The engines'
 # own modules (store, server, exchange, session, worker, driver, ...) stay importable by name.
 __all__ = [
+    "Comparison",
     "ConfigError",
     "Loss",
     "Plan",
@@ -119,6 +123,7 @@ __all__ = [
     "checkpoint",
     "classification_eval",
     "classification_loss",
+    "compare",
     "data",
     "dc_asgd",
     "delay_adaptive_sgd",

@@ -326,6 +326,8 @@ class _Ray:
             # in its actor is not waited for, nor is anyone after a second Ctrl-C: the final checkpoint is written).
             with contextlib.suppress(KeyboardInterrupt):
                 self.said_goodbye = self.wait(driver.GOODBYE)
+                with contextlib.suppress(*_actor_errors(self.ray)):  # the counts as the workers left them
+                    final = (final[0].followed_by(self.ray.get(self.store.progress.remote())), *final[1:])
             return final
         finally:
             self._kill()

@@ -96,6 +96,11 @@ class Progress(NamedTuple):
     losses: list[float]
     snapshots: list[Snapshot]
 
+    def followed_by(self, later: Progress) -> Progress:
+        """This poll and a later one as one: the later status, both polls' losses and snapshots (the workers' last
+        pushes, answered "closed" after the store's final poll, are counted in the run's totals)."""
+        return Progress(later.status, self.losses + later.losses, self.snapshots + later.snapshots)
+
 
 class BadPush(ValueError):
     """A push that does not fit the model (structure, shape, dtype) or holds NaN/Inf."""

@@ -131,8 +131,8 @@ class _Threads:
 
     def close(self) -> tuple[store.Progress, Any, Any]:
         self.stop.set()  # a straggler asleep wakes now; a worker computing ends after its exchange period
-        final = self.endpoint.close()
+        progress, params, model_state = self.endpoint.close()
         deadline = time.perf_counter() + driver.GOODBYE
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.perf_counter()))
-        return final
+        return progress.followed_by(self.endpoint.progress()), params, model_state
