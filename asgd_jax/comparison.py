@@ -196,7 +196,7 @@ def compare(
         has_aux=has_aux,
         eval_fn=eval_fn,
         progress=progress,
-        description=f"compare {len(names)} rules x {len(settings) // len(names) or 1}+ settings x {len(seeds)} seeds",
+        description=f"compare {len(names)} rules: {len(settings)} settings x {len(seeds)} seeds",
         devices=devices,
     )
     runs = _rows(result, names, settings, chosen, [int(s) for s in seeds for _ in settings])
