@@ -10,6 +10,7 @@ Example:
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and readers; at run time they are imported when first used
@@ -88,8 +89,8 @@ _NAMES = {
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         value = getattr(importlib.import_module(f"asgd_jax.{_NAMES[name]}"), name)
-    elif name in _modules():
-        value = importlib.import_module(f"asgd_jax.{name}")
+    elif name in _modules() or (not name.startswith("_") and importlib.util.find_spec(f"asgd_jax.{name}")):
+        value = importlib.import_module(f"asgd_jax.{name}")  # any of the package's modules, as an attribute
     else:
         raise AttributeError(f"module 'asgd_jax' has no attribute {name!r}")
     globals()[name] = value  # imported once

@@ -247,3 +247,15 @@ def test_data_that_does_not_fit_the_weights_is_called_a_shape_problem_naming_the
         asgd_jax.simulate(lsq_loss, asgd_jax.asgd(0.05), W0, wrong, plan, progress=False)
     with pytest.raises(ConfigError, match="does not take the declared form"):  # a signature problem stays one
         asgd_jax.simulate(lambda w: w.sum(), asgd_jax.asgd(0.05), W0, DATA, plan, progress=False)
+
+
+def test_the_command_line_starts_without_jax_so_its_ctrl_c_handler_comes_first():
+    """The package imports its modules when first used: `import asgd_jax.cli` loads no JAX (whose gc callback would
+    swallow an early Ctrl-C), while every public name and module still resolves as an attribute."""
+    check = "import sys, asgd_jax.cli; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "False"
+    for name in [*asgd_jax.__all__, "studies", "worker", "store"]:
+        assert getattr(asgd_jax, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = asgd_jax.nope
