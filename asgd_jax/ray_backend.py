@@ -43,13 +43,28 @@ from asgd_jax import loss as loss_lib
 from asgd_jax.session import TrainConfig
 from asgd_jax.worker import Answer, Sync, Worker, WorkerSetup
 
-__all__ = ["StoreActor", "WorkerActor", "require_ray", "run"]
+__all__ = ["StoreActor", "WorkerActor", "join", "require_ray", "run"]
 
 log = logging.getLogger("asgd_jax.ray")
 
 INSTALL = "pip install 'asgd_jax[ray]'  (or: pip install ray)"
 STARTUP_PATIENCE = 600.0  # seconds for the store and the workers to start and compile
 STORE_PATIENCE = 120.0  # seconds a worker waits for a restarting store
+
+
+def join(address: str | None) -> None:
+    """Joins the Ray cluster at ``address`` (or starts a local instance), unless this process already has; a cluster
+    that cannot be reached is a :class:`~asgd_jax.errors.ConfigError` naming it (--ray-address)."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError) as e:
+        raise errors.ConfigError(
+            f"ray_address={address!r} (--ray-address) cannot be joined ({type(e).__name__}: {str(e).splitlines()[0]}):"
+            " start the cluster (ray start --head) or give its address; without --ray-address a local instance starts"
+        ) from None
 
 
 def require_ray():
@@ -180,8 +195,7 @@ def run(
 ) -> session.TrainResult:
     """One session of the Ray backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     ray = require_ray()
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    join(config.ray_address)
     if config.out is not None:  # the store actor writes there: an absolute path on the driver's node
         config = config.replace(out=os.path.abspath(config.out))
     # Evaluations on the driver (its CPU by default), so that the workers keep the GPUs.

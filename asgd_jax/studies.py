@@ -716,8 +716,9 @@ def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done) -> 
     import ray
     from tqdm.auto import tqdm
 
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from asgd_jax.ray_backend import join
+
+    join(address)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=MAX_RETRIES, retry_exceptions=False)(run_arm)
     pending = {task.remote(study, s, quick, i): i for i in range(len(arms)) if i not in found}

@@ -111,3 +111,18 @@ def test_a_two_node_cluster_that_loses_a_node_gives_the_same_result(study_file, 
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_cluster_that_cannot_be_joined_is_one_line(study_file, monkeypatch, capsys):
+    from asgd_jax.cli import main
+
+    def unreachable(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:1")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", unreachable)
+    argv = ["run", str(study_file), "--quick", "--no-progress", "--backend", "ray", "--ray-address", "127.0.0.1:1"]
+    assert main([*argv, "--out", str(study_file.parent / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "ray_address='127.0.0.1:1' (--ray-address) cannot be joined (ConnectionError: Failed to connect" in err
+    assert len(err.strip().splitlines()) == 1
