@@ -534,11 +534,15 @@ def gap_aware(
         max_rate = jnp.maximum(state.max_rate, rate)
         direction = updates if state.trace is None else state.trace
         mean_square = jax.tree.map(lambda r, u: decay * r + (1.0 - decay) * u * u, state.mean_square, direction)
-        correction = 1.0 - jnp.asarray(decay, jnp.float32) ** count.astype(jnp.float32)
 
         def penalise(g, r, w, wb):
-            scale = max_rate * (jnp.sqrt(r / correction) + eps)
-            gap = jnp.where(count > 1, 1.0 + jnp.abs(w - wb) / scale, 1.0)
+            # In the weights' precision (float64 weights get a float64 bias correction), and only once a step was
+            # taken: with a learning rate of 0 so far there is no typical step to measure the gap in (FTPipe guards
+            # on the largest learning rate so far being positive; C = 0 made NaN weights here).
+            correction = 1.0 - jnp.asarray(decay, r.dtype) ** count.astype(r.dtype)
+            scale = max_rate.astype(r.dtype) * (jnp.sqrt(r / correction) + eps)
+            penalised = (count > 1) & (max_rate > 0)
+            gap = jnp.where(penalised, 1.0 + jnp.abs(w - wb) / jnp.where(penalised, scale, 1.0), 1.0)
             return (g / gap).astype(g.dtype)
 
         penalised = jax.tree.map(penalise, updates, mean_square, params, stale_params)
@@ -923,6 +927,12 @@ def get(name: str, learning_rate: ScalarOrSchedule, **hyperparameters: Any) -> o
     """
     factory = _factory(name)
     given = {k: v for k, v in hyperparameters.items() if v is not None}
+    missing = [k for k in required(name) if k not in given]
+    if missing:
+        raise errors.ConfigError(
+            f"rule {name!r} needs {', '.join(missing)}: pass e.g. rules.get({name!r}, learning_rate, "
+            f"{missing[0]}=M), M the plan's number of workers."
+        )
     accepted = defaults(name)
     unknown = sorted(set(given) - set(accepted))
     if unknown:

@@ -16,6 +16,7 @@ from helpers.reference import lsq_grad
 
 import asgd_jax
 from asgd_jax import delays, rules, server
+from asgd_jax.errors import ConfigError
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
@@ -200,3 +201,48 @@ def test_one_of_with_a_traced_index_in_a_sweep_is_each_rule_on_its_own():
             progress=False,
         )
         np.testing.assert_allclose(swept.params[i], alone.params, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Corrections from an independent check against the authors' code (#24, item 7)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_gap_aware_with_a_learning_rate_of_zero_at_first_keeps_finite_weights():
+    """FTPipe guards on the largest learning rate so far being positive: with 0 for the first updates there is no
+    typical step (C = 0) and the gap is not measured; it was 0/0 = NaN."""
+    lr = lambda count: jnp.where(count < 3, 0.0, 0.1)
+    rule = asgd_jax.rules.gap_aware(lr)
+    w = jnp.array([1.0, -1.0])
+    state = rule.init(w)
+    for t in range(6):
+        stale = w - 0.05 * (t % 2)
+        step, state = rule.update(jnp.array([0.5, 0.5]), state, w, stale_params=stale)
+        assert np.isfinite(np.asarray(step)).all(), t
+        w = w + step
+    assert float(w[0]) < 1.0  # it trained once the learning rate was positive
+
+
+def test_gap_aware_corrects_its_bias_in_the_weights_precision():
+    with jax.enable_x64(True):
+        rule = asgd_jax.rules.gap_aware(0.1, decay=0.999)
+        w = jnp.array([1.0, 1.0], jnp.float64)
+        g = jnp.array([2.0, 2.0], jnp.float64)
+        state = rule.init(w)
+        _, state = rule.update(g, state, w, stale_params=w)
+        stale = jnp.array([1.0, 0.8], jnp.float64)
+        step, _ = rule.update(g, state, w, stale_params=stale)
+        # float64 reference: r after two updates' directions, C = 0.1 * (sqrt(r / (1 - 0.999^2)) + eps)
+        r = 0.001 * 4 * 0.999 + 0.001 * 4
+        c = 0.1 * (np.sqrt(r / (1 - 0.999**2)) + 1e-8)
+        expected = -0.1 * 2.0 / (1.0 + 0.2 / c)
+        assert step.dtype == jnp.float64
+        # A float32 bias correction is off by ~1e-5 here; what remains is the float32 learning rate the rule keeps
+        # in its state (0.1 as a float32: 1.5e-8).
+        np.testing.assert_allclose(float(step[1]), expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["delay_adaptive", "dana"])
+def test_a_rule_that_needs_the_worker_count_says_so(name):
+    with pytest.raises(ConfigError, match=rf"rule '{name}' needs num_workers"):
+        asgd_jax.rules.get(name, 0.1)
