@@ -173,7 +173,8 @@ class Workers:
             try:
                 if any(isinstance(v, bool | np.bool_ | str | bytes) for v in np.ravel(np.asarray(self.speeds, object))):
                     raise TypeError("speeds that are no numbers")
-                speeds = np.asarray(self.speeds, np.float32)
+                with np.errstate(over="ignore"):  # a speed beyond float32 becomes inf, refused below
+                    speeds = np.asarray(self.speeds, np.float32)
             except (TypeError, ValueError):
                 speeds = np.zeros(0)
             if speeds.shape[-1:] != (self.num,) or not np.all(speeds > 0) or not np.all(np.isfinite(speeds)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,8 +20,16 @@ def installed(tmp_path_factory):
     environment's (no network), its asgd_jax only the wheel's."""
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
+    # Built from a copy of the tracked files: an in-tree build reuses the checkout's build/ folder (a module that
+    # was since removed would travel in the wheel) and would read files other tests are writing.
+    source = tmp / "source"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)]
-    subprocess.run([*build, str(ROOT)], check=True, capture_output=True, cwd=tmp)
+    built = subprocess.run([*build, str(source)], capture_output=True, text=True, cwd=tmp)
+    assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = dist.glob("asgd_jax-*.whl")
     env = tmp / "env"
     venv.create(env, with_pip=False)

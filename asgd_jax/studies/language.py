@@ -1,0 +1,299 @@
+"""The study language: :class:`Variant`, :class:`Arm`, :class:`Settings`, :class:`Study`, the DC-ASGD paper's
+CIFAR-10 setup, and finding the studies (:func:`load`, :func:`available`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import pathlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from asgd_jax import delays as delays_lib
+from asgd_jax import errors, rules
+from asgd_jax.plan import Plan
+from asgd_jax.setups import Setup
+
+METRICS = {
+    "test_error": "final test error (%)",
+    "time_to_target": "virtual time to the target training error",
+    "speedup": "speed-up in time to the target training error",
+}
+"""What a study's table can show (:attr:`Study.metric`, :attr:`Study.also`)."""
+
+ALGORITHMS = {
+    "sgd": "SGD",
+    "asgd": "ASGD",
+    "ssgd": "SSGD",
+    "dc_asgd_c": "DC-ASGD-c",
+    "dc_asgd_a": "DC-ASGD-a",
+}
+"""The algorithms of DC-ASGD's Table 1 (``asgd-jax ablate --algorithms``) and their labels."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One rule setting inside an arm.
+
+    Attributes:
+      label: the series name in tables and plots (``"DC-ASGD-a"``).
+      rule: a registered rule (:func:`asgd_jax.rules.get`); ``"dc_asgd"`` (the default) covers SGD, ASGD (lambda 0),
+        DC-ASGD-c and -a, so they share one compiled program.
+      lam: DC-ASGD's lambda_0.
+      adaptive: DC-ASGD-a (True) or -c.
+      lr: this variant's learning rate (default: the settings'), a traced number: an arm tunes it in one program.
+      hp: the rule's other numeric hyperparameters, traced per run (every variant of an arm names the same ones).
+      coords: extra coordinates for tables/plots (e.g. ``{"lambda": 2.0}``).
+    """
+
+    label: str
+    rule: str = "dc_asgd"
+    lam: float = 0.0
+    adaptive: bool = False
+    lr: float | None = None
+    hp: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    coords: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        errors.choice("rule", self.rule, rules.names())
+        if self.lr is not None:
+            errors.finite_number("lr", self.lr, positive=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """Runs that share one compiled program.
+
+    Attributes:
+      coords: coordinates of every run in the arm (``{"M": 8}``, ``{"clients": 4, "n_sync": 10, "start": "warm"}``).
+      plan: the arm's :class:`asgd_jax.Plan`: its delay model (``Settings.cluster(M)`` for the study's compute times,
+        or ``FixedDelay(tau)``) and exchange pattern (``mode``, ``n_sync``, ``push``, ``local_lr``); the runner sets
+        its batch, budget and evaluation cadence from the study's settings.
+      variants: the rules: any mix of registered rules runs as one program (:func:`asgd_jax.rules.one_of` picks each
+        run's), and ``"dc_asgd"`` variants (SGD, ASGD, DC-ASGD-c and -a) differ only in traced numbers.
+      server_lr: the server's learning rate (default: the study's schedule; 1.0 with ``push="delta"`` adds the delta).
+      warm: start from the study's warm-started weights.
+      series: how the runs are named in plots (default: the variant's label).
+      rule_options: static arguments of the rule (``buffer_size`` of Delayed Nesterov, DANA's ``lam``, ...).
+      for_every: the arm's runs stand in every cell of these coordinates, run once (a reference such as sequential
+        SGD in every ``{"M": (4, 16, 32)}`` column).
+    """
+
+    coords: Mapping[str, Any]
+    plan: Plan = dataclasses.field(default_factory=lambda: Plan(1))
+    variants: tuple[Variant, ...] = (Variant("SGD"),)
+    server_lr: float | None = None
+    warm: bool = False
+    series: str | None = None
+    rule_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    for_every: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        errors.require(isinstance(self.plan, Plan), "plan", self.plan, "give an asgd_jax.Plan(delays, ...)")
+        errors.require(bool(self.variants), "variants", self.variants, "give at least one Variant")
+        known = {k for v in self.variants for k in (*rules.defaults(v.rule), *rules.required(v.rule))}
+        unknown = sorted(set(self.rule_options) - known)
+        errors.require(not unknown, "rule_options", unknown, f"the arm's rules take {sorted(known)}")
+        hp = list(self.variants[0].hp)
+        for v in self.variants:
+            errors.require(list(v.hp) == hp, "hp", dict(v.hp), f"every variant of an arm names the same ones: {hp}")
+
+    def label(self, variant: Variant) -> str:
+        return variant.label if self.series is None else self.series.format(label=variant.label, **self.coords)
+
+    @property
+    def description(self) -> str:
+        """The progress bar's label: which arm is running (where, how, which rules)."""
+        p = self.plan
+        where = f"tau={p.delays.tau}" if isinstance(p.delays, delays_lib.FixedDelay) else f"M={p.workers}"
+        what = ", ".join(dict.fromkeys(self.label(v) for v in self.variants))  # each label once, in order
+        extra = "" if p.n_sync == 1 else f" n_sync={p.n_sync}"
+        extra += "".join(f", {c}" for c in self.coords.values() if isinstance(c, str) and c != "—")  # the cluster
+        return f"{where} {p.mode}{extra}{' warm' if self.warm else ''}: {what}"[:72]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings(Setup):
+    """What every run of a study shares (a study has a quick and a full form of these): a training
+    :class:`asgd_jax.setups.Setup` (data, model, batch, schedule, momentum, weight decay, augmentation, evaluation:
+    the same description ``asgd-jax train --config`` reads) and the study's own numbers.
+
+    Attributes:
+      seeds: one run per seed and variant.
+      epochs: effective passes over the training data per run (warm runs: after the warm-up).
+      mean_square_decay: DC-ASGD-a's m.
+      compute_time: the workers' compute-time distribution.
+      evals: test-error evaluations per run.
+      window: training-error smoothing window (minibatches; GPU A-SGD: 400).
+      warm_epochs: single-worker SGD epochs that make the warm-started weights.
+      target_error: training error (smoothed) whose first crossing defines time-to-target.
+      init_seed: seed of the shared initial weights.
+      workers, algorithms, lam_c, lam_a: the DC-ASGD Table-1 grid (``dcasgd_table1``, ``asgd-jax ablate``): worker
+        counts, which of :data:`ALGORITHMS` run, and DC-ASGD-c's and -a's lambda_0.
+
+    The setup's ``schedule`` is DC-ASGD's step decay by default (/10 at 50% and 75% of the run); ``momentum`` is
+    every rule's (the DC-ASGD paper reports none).
+    """
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    epochs: float = 15.0
+    mean_square_decay: float = 0.95
+    compute_time: str = "exponential"
+    evals: int = 10
+    window: int = 100
+    warm_epochs: float = 2.0
+    target_error: float = 0.5
+    init_seed: int = 0
+    workers: tuple[int, ...] = (1, 4, 8)
+    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
+    lam_c: float = 0.04
+    lam_a: float = 2.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        errors.require(bool(self.seeds), "seeds", self.seeds, "give at least one seed")
+        errors.require(
+            bool(self.workers) and all(isinstance(m, int) and m >= 1 for m in self.workers),
+            "workers",
+            list(self.workers),
+            "give worker counts >= 1",
+        )
+        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+        errors.require(
+            bool(self.algorithms) and not unknown,
+            "algorithms",
+            list(self.algorithms),
+            f"choose from {', '.join(ALGORITHMS)}",
+        )
+        errors.finite_number("epochs", self.epochs, positive=True)
+        errors.finite_number("warm_epochs", self.warm_epochs, positive=True)
+        for name in ("evals", "window"):
+            errors.positive_int(name, getattr(self, name))
+        errors.choice("compute_time", self.compute_time, delays_lib.COMPUTE_TIME_KINDS)
+        # lam_c, lam_a, mean_square_decay and momentum are checked by the rule itself.
+        rules.get("dc_asgd_c", 0.1, lam=self.lam_c, momentum=self.momentum)
+        rules.get("dc_asgd_a", 0.1, lam=self.lam_a, mean_square_decay=self.mean_square_decay)
+
+    def cluster(self, workers: int, **kwargs: Any) -> delays_lib.Workers:
+        """``Workers(workers, **kwargs)`` with the study's compute times (``kwargs`` may override them)."""
+        return delays_lib.Workers(workers, **{"compute_time": self.compute_time, **kwargs})
+
+
+#: The DC-ASGD paper's CIFAR-10 setup (Zheng et al. 2017): ResNet-20, no augmentation, 160 effective epochs,
+#: minibatch 128 per worker, lr 0.5 divided by 10 at epochs 80 and 120, DC-ASGD-c lambda_0 0.04, DC-ASGD-a lambda_0 2
+#: and m 0.95, M in {1, 4, 8}, 5 seeds, the same initial weights and schedule for every run: the full form of
+#: ``dcasgd_table1`` and ``dcasgd_lambda_sweep`` (hours on one GPU; `asgd-jax data prepare cifar10` first).
+DCASGD_CIFAR10 = Settings(
+    dataset="tfds:cifar10",
+    model="resnet20",
+    seeds=(0, 1, 2, 3, 4),
+    epochs=160.0,
+    batch_size=128,
+    learning_rate=0.5,
+    evals=40,
+    window=400,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """A reproduction study.
+
+    Attributes:
+      name: the command-line name (``asgd-jax run <name>``).
+      title: one line.
+      reproduces: what it reproduces and the expected qualitative result (goes into the report).
+      quick, full: the two forms' :class:`Settings` (quick: minutes on 2 CPU cores; full: the paper's setup).
+      arms: ``arms(settings, quick) -> list[Arm]``.
+      rows, columns: the table lays out the final metric with these coordinates as rows and columns (``"label"``
+        is the series name).
+      metric: ``"test_error"`` (%), ``"time_to_target"`` (virtual time) or ``"speedup"`` (the baseline's
+        time-to-target over the run's).
+      baseline: the coordinates of the speed-up baseline.
+      curves_x: x axes of the training-curve plots (``"epoch"``, ``"update"``, ``"time"``).
+      paper: the paper's numbers, ``{row: {column: value}}``, printed beside ours.
+      column_order: the table's columns in this order (default: as the runs come).
+      forms: more named forms beside ``quick`` and ``full`` (``asgd-jax ablate`` runs ``dcasgd_table1``'s).
+      tune: coordinates tuned per cell (``("lr", "lambda")``): a cell shows the runs of its best setting, the one with
+        the lowest mean final training error (the test set never picks), and the table lists the picks.
+      facet: one table (and one plot panel) per value of this coordinate (``"cluster"``).
+      also: more metrics, each one more table of the same cells (``("time_to_target",)``).
+    """
+
+    name: str
+    title: str
+    reproduces: str
+    quick: Settings
+    full: Settings
+    arms: Callable[[Settings, bool], list[Arm]]
+    rows: str = "M"
+    columns: str = "label"
+    metric: str = "test_error"
+    baseline: Mapping[str, Any] | None = None
+    curves_x: tuple[str, ...] = ("epoch",)
+    paper: Mapping[Any, Mapping[str, float]] | None = None
+    paper_note: str = ""
+    column_order: tuple[str, ...] | None = None
+    forms: Mapping[str, Settings] = dataclasses.field(default_factory=dict)
+    tune: tuple[str, ...] = ()
+    facet: str | None = None
+    also: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for metric in (self.metric, *self.also):
+            errors.choice("metric", metric, METRICS)
+
+    def form(self, name: str) -> Settings:
+        """The settings of the form ``name``."""
+        forms = {"quick": self.quick, "full": self.full, **self.forms}
+        errors.choice("form", name, forms)
+        return forms[name]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Finding studies.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+CATALOG = "asgd_jax.experiments"
+"""The package of the studies that ship with asgd_jax (``asgd_jax/experiments/<name>.py``)."""
+
+
+def available() -> list[str]:
+    """Names of the studies that ship with the package (modules of :mod:`asgd_jax.experiments` that define
+    ``STUDY``)."""
+    package = importlib.import_module(CATALOG)
+    names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
+    return sorted(
+        n for n in names if isinstance(getattr(importlib.import_module(f"{CATALOG}.{n}"), "STUDY", None), Study)
+    )
+
+
+def load(name_or_path: str | os.PathLike) -> Study:
+    """The ``STUDY`` of a shipped study by name (:func:`available`), or of a study file of your own by its path."""
+    text = os.fspath(name_or_path)
+    if text.endswith(".py") or os.sep in text:
+        path = pathlib.Path(text)
+        errors.require(
+            path.is_file(), "study", text, "no such study file: give a path to a .py file that defines STUDY"
+        )
+        spec = importlib.util.spec_from_file_location(f"asgd_jax_study_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        where = str(path)
+    else:
+        errors.require(
+            text.isidentifier() and text in available(),
+            "study",
+            text,
+            f"choose from {', '.join(available())} or give a path to a study .py file",
+        )
+        module = importlib.import_module(f"{CATALOG}.{text}")
+        where = module.__name__
+    study = getattr(module, "STUDY", None)
+    if not isinstance(study, Study):
+        raise errors.ConfigError(f"{where} defines no STUDY = asgd_jax.studies.Study(...).")
+    return study

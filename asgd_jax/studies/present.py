@@ -1,0 +1,433 @@
+"""Presenting a study's results: tuned picks, tables, plots, the files of a results folder and the report."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from asgd_jax import errors
+from asgd_jax import metrics as metrics_lib
+from asgd_jax.studies.language import METRICS, Study
+from asgd_jax.studies.runner import ARMS, StudyResult
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tables, plots, files.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _ordered(values) -> list:
+    values = list(dict.fromkeys(values))
+    return sorted(values) if all(isinstance(v, int | float) for v in values) else values
+
+
+def _metric_value(metric: str, r: dict[str, Any]) -> float:
+    return 100 * r["test_error"] if metric == "test_error" else r["time_to_target"]
+
+
+def _cell(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
+
+
+def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[tuple, dict[str, Any]]]:
+    """The runs of each cell's best tuned setting, and the picks: ``{(facet, row, column): {"lr": 0.1, ...}}``.
+
+    A cell's runs are grouped by their :attr:`Study.tune` coordinates; the group with the lowest mean final training
+    error wins (a diverged run counts as the worst), so the test set only reports. Without ``tune``: all runs, no picks.
+
+    Example:
+      >>> from asgd_jax import studies
+      >>> study = studies.load("staleness_leaderboard")
+      >>> runs = [{"label": "ASGD", "M": 4, "cluster": "uniform", "lr": lr, "train_error": e, "test_error": e}
+      ...         for lr, e in [(0.1, 0.3), (0.1, 0.5), (0.2, 0.35), (0.2, 0.35)]]
+      >>> kept, picks = studies.best_tuned(study, runs)
+      >>> [r["lr"] for r in kept], picks
+      ([0.2, 0.2], {('uniform', 'ASGD', 4): {'lr': 0.2}})
+    """
+    if not study.tune:
+        return runs, {}
+    groups: dict[tuple, dict[tuple, list[dict[str, Any]]]] = {}
+    for r in runs:
+        groups.setdefault(_cell(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
+
+    def score(group: list[dict[str, Any]]) -> float:
+        errs = np.asarray([r["train_error"] for r in group], np.float64)
+        return float(errs.mean()) if np.isfinite(errs).all() else math.inf
+
+    kept, picks = [], {}
+    for cell, by_setting in groups.items():
+        setting = min(by_setting, key=lambda k: score(by_setting[k]))
+        kept += by_setting[setting]
+        picks[cell] = {k: v for k, v in zip(study.tune, setting, strict=True) if v is not None}
+    return kept, picks
+
+
+def _grid_edges(study: Study, runs: list[dict[str, Any]], picks: dict[tuple, dict[str, Any]]) -> dict[tuple, set]:
+    """Per cell, the tuned coordinates whose pick is the smallest or largest of 3 or more values tried there."""
+    tried: dict[tuple, dict[str, set]] = {}
+    for r in runs:
+        for k in study.tune:
+            if r.get(k) is not None:
+                tried.setdefault(_cell(study, r), {}).setdefault(k, set()).add(r[k])
+    return {
+        cell: {k for k, v in p.items() if len(grid := tried[cell][k]) >= 3 and v in (min(grid), max(grid))}
+        for cell, p in picks.items()
+    }
+
+
+def _cell_values(study: Study, runs: list[dict[str, Any]], metric: str | None = None) -> dict[tuple, tuple]:
+    """``{(facet, row, column): (mean, std)}`` of ``metric`` (default: the study's) over the seeds."""
+    metric = metric or study.metric
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        groups.setdefault(_cell(study, r), []).append(_metric_value(metric, r))
+    cells = {k: tuple(float(x) for x in metrics_lib.mean_std(np.asarray(v))) for k, v in groups.items()}
+    if metric == "speedup":
+        base_runs = [r for r in runs if all(r.get(k) == v for k, v in (study.baseline or {}).items())]
+        base = float(np.mean([r["time_to_target"] for r in base_runs])) if base_runs else math.nan
+        cells = {k: (base / mean if mean > 0 else math.nan, 0.0) for k, (mean, _) in cells.items()}
+    return cells
+
+
+def _layout(study: Study, cells) -> tuple[list, list, list]:
+    """The facet values, rows and columns of a study's tables, in order."""
+    facets = _ordered(f for f, _, _ in cells)
+    rows = _ordered(r for _, r, _ in cells)
+    cols = list(dict.fromkeys(c for _, _, c in cells))
+    if study.column_order:
+        cols = sorted(cols, key=lambda c: study.column_order.index(c) if c in study.column_order else len(cols))
+    return facets, rows, cols
+
+
+def _grid(study: Study, cells: dict[tuple, Any], text: Callable[[Any], str]) -> list[str]:
+    """Markdown table(s), one per facet value, of ``text(cell)``."""
+    facets, rows, cols = _layout(study, cells)
+    lines: list[str] = []
+    for facet in facets:
+        if study.facet:
+            lines += ["", f"{study.facet} = {facet}", ""]
+        lines.append(f"| {study.rows} | " + " | ".join(map(str, cols)) + " |")
+        lines.append("|---" * (len(cols) + 1) + "|")
+        for row in rows:
+            if any((facet, row, col) in cells for col in cols):
+                lines.append(f"| {row} | " + " | ".join(text(cells.get((facet, row, col))) for col in cols) + " |")
+    return lines
+
+
+def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> str:
+    """The study's Markdown table(s) (mean ± std over seeds): one per facet value and metric, the tuned picks, and the
+    paper's numbers beside ours when given."""
+    kept, picks = best_tuned(study, runs)
+    lines: list[str] = []
+    for metric in (study.metric, *study.also):
+        cells = _cell_values(study, kept, metric)
+        what = METRICS[metric]
+        if metric == "speedup":
+            what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
+        over = "ratio of mean times" if metric == "speedup" else "mean ± std"
+        tuned = f"; each cell the best of its {', '.join(study.tune)} grid by training error" if study.tune else ""
+
+        def text(cell, metric=metric):
+            if cell is None or math.isnan(cell[0]):
+                return "—"
+            return f"{cell[0]:.2f}x" if metric == "speedup" else f"{cell[0]:.2f} ± {cell[1]:.2f}"
+
+        lines += ([""] if lines else []) + [f"{what}, {over} over {num_seeds} seed(s){tuned}"]
+        lines += ([] if study.facet else [""]) + _grid(study, cells, text)
+        if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
+            lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
+    if picks:
+        edges = _grid_edges(study, runs, picks)
+        lines += ["", f"The tuned settings picked (lowest training error over {', '.join(study.tune)})"]
+        marked = {
+            cell: ", ".join(f"{k} {v:g}{'*' if k in edges[cell] else ''}" for k, v in p.items())
+            for cell, p in picks.items()
+        }
+        lines += ([] if study.facet else [""]) + _grid(study, marked, str)
+        if any(edges.values()):
+            lines += ["", "*: the edge of its grid (of 3 or more values): a wider grid may do better."]
+    if study.paper:
+        pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
+        lines += [
+            "",
+            f"Paper{': ' + study.paper_note if study.paper_note else ''}",
+            "",
+            f"| {study.rows} | " + " | ".join(pcols) + " |",
+            "|---" * (len(pcols) + 1) + "|",
+        ]
+        for row, values in study.paper.items():
+            lines.append(f"| {row} | " + " | ".join(f"{values[c]:.2f}" if c in values else "" for c in pcols) + " |")
+    return "\n".join(lines)
+
+
+def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list, labels: bool) -> bool:
+    """One panel of the final metric: lines against numeric rows, grouped bars over named ones (rules), an x where a
+    bar has no value (the target not reached, or diverged). Returns whether it drew an x."""
+    numeric = all(isinstance(r, int | float) for r in rows)
+    width, missing = 0.8 / max(len(cols), 1), False
+    for j, col in enumerate(cols):
+        pts = [(r, *cells[(facet, r, col)]) for r in rows if (facet, r, col) in cells]
+        if numeric:
+            x = [p[0] for p in pts]
+            ax.errorbar(x, [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=str(col))
+        else:
+            x = [rows.index(p[0]) + (j - (len(cols) - 1) / 2) * width for p in pts]
+            bars = ax.bar(
+                x,
+                [p[1] for p in pts],
+                width,
+                yerr=[p[2] for p in pts],
+                capsize=2,
+                label=str(col) if study.columns == "label" else f"{study.columns} {col}",
+            )
+            none = [xi for xi, p in zip(x, pts, strict=True) if not math.isfinite(p[1])]
+            if none:  # (an empty line drawn unclipped would stretch the panel's layout box to the figure's origin)
+                ax.plot(
+                    none, [0.0] * len(none), "x", color=bars.patches[0].get_facecolor(), ms=6, mew=1.5, clip_on=False
+                )
+                missing = True
+    if numeric and len(rows) > 2 and min(rows) > 0 and max(rows) / min(rows) >= 8:
+        ax.set_xscale("log", base=2)
+    if not numeric:
+        ax.set_xticks(range(len(rows)), [str(r) for r in rows] if labels else [], rotation=35, ha="right", fontsize=8)
+    else:
+        ax.set_xlabel(study.rows)
+    ax.grid(alpha=0.3, axis="y" if not numeric else "both")
+    return missing
+
+
+def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str):
+    """The figure of one metric: line panels side by side over numeric rows; bar panels (a group per rule) stacked,
+    so that a README page shows them at a readable size."""
+    import matplotlib.pyplot as plt
+
+    facets, rows, cols = _layout(study, cells)
+    numeric = all(isinstance(r, int | float) for r in rows)
+    width = max(4.5, (1.0 if numeric else 0.5 + 0.12 * len(cols)) * len(rows))
+    shape, size = ((1, len(facets)), (width * len(facets) ** 0.8, 4.2))
+    if not numeric:
+        shape, size = ((len(facets), 1), (width, max(4.2, 1.2 + 2.6 * len(facets))))
+    fig, axes = plt.subplots(*shape, figsize=size, squeeze=False, sharey=True, layout="constrained")
+    axes, missing = list(axes.flat), False
+    for ax, facet in zip(axes, facets, strict=True):
+        missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1])
+        if study.facet:
+            ax.set_title(f"{study.facet} = {facet}", fontsize=9)
+    axes[0 if numeric else len(axes) // 2].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
+    axes[-1 if numeric else 0].legend(fontsize=7, ncol=len(cols) if len(axes) > 1 and not numeric else 1)
+    tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
+    note = "\nx: no value (the target not reached in some seed, or diverged)" if missing else ""
+    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {METRICS[metric]}"
+    fig.suptitle(f"{title}{tuned}{note}", fontsize=10)
+    return fig
+
+
+def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
+    """``final.png`` (the table's metric against its rows, one line or bar group per column, one panel per facet
+    value), ``final_<metric>.png`` for :attr:`Study.also`, and ``curves_<x>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study, paths = result.study, []
+    runs, _ = best_tuned(study, result.runs)
+    for metric in (study.metric, *study.also):
+        cells = _cell_values(study, runs, metric)
+        fig = _final_figure(study, cells, metric)
+        paths.append(os.path.join(folder, "final.png" if metric == study.metric else f"final_{metric}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    for x in study.curves_x:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        n = len(result.curves)
+        ax.set_prop_cycle(color=plt.cm.tab20(np.linspace(0, 1, max(n, 2))) if n > 10 else plt.cm.tab10(range(n)))
+        for name, c in result.curves.items():
+            ax.plot(c[x], 100 * np.asarray(c["train_error"]), label=name, lw=1)
+        ax.set_xlabel({"epoch": "effective epochs", "update": "server updates", "time": "virtual wall-clock time"}[x])
+        ax.set_ylabel(f"training error (%), smoothed over {result.settings.window} minibatches")
+        ax.set_title(study.title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=5, ncol=2)
+        fig.tight_layout()
+        paths.append(os.path.join(folder, f"curves_{x}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def plot_panels(result: StudyResult, path: str | os.PathLike) -> str:
+    """One panel per row value (e.g. per worker count M): smoothed training error (thin) and test error (markers) of
+    every series against effective epochs, mean over seeds; what ``asgd-jax ablate`` writes as ``curves.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study = result.study
+    rows = _ordered(c["coords"].get(study.rows) for c in result.curves.values())
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False, sharey=True)
+    labels = list(dict.fromkeys(c["coords"]["label"] for c in result.curves.values()))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    for ax, row in zip(axes[0], rows, strict=True):
+        for c in result.curves.values():
+            if c["coords"].get(study.rows) != row:
+                continue
+            label = c["coords"]["label"]
+            ax.plot(c["epoch"], 100 * np.asarray(c["train_error"]), color=colors[label], lw=0.8, alpha=0.6)
+            ax.plot(c["eval_epoch"], 100 * np.asarray(c["test_error"]), "o-", color=colors[label], ms=3, label=label)
+        ax.set_title(f"{study.rows} = {row}")
+        ax.set_xlabel("effective epochs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("error %")
+    fig.text(
+        0.5,
+        0.01,
+        f"markers: test error; thin lines: training error smoothed over {result.settings.window} "
+        "minibatches; mean over seeds",
+        ha="center",
+        fontsize=8,
+    )
+    tops = [100 * np.asarray(c["test_error"])[len(c["test_error"]) // 4 :].max() for c in result.curves.values()]
+    axes[0][0].set_ylim(0, min(100, 1.5 * max(tops) + 1))
+    fig.suptitle(f"{study.title}: {result.settings.dataset} / {result.settings.model}")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.fspath(path)
+
+
+def save(
+    result: StudyResult,
+    folder: str | os.PathLike,
+    *,
+    plots: tuple[str, ...] = ("final", "curves"),
+    tensorboard: bool = False,
+) -> dict[str, str]:
+    """Writes ``results.json``, ``results.csv``, ``table.md`` and the plots into ``folder``: ``"final"`` and
+    ``"curves"`` (:func:`plot`: ``final.png``, ``curves_<x>.png``), ``"panels"`` (:func:`plot_panels`:
+    ``curves.png``); with ``tensorboard``, every curve as TensorBoard event files in ``folder/tensorboard/<series>``
+    (training error by update, test error at its evaluations; :mod:`asgd_jax.writers`)."""
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    study, s = result.study, result.settings
+    table = format_table(study, result.runs, len(s.seeds))
+    payload = {
+        "study": study.name,
+        "title": study.title,
+        "reproduces": study.reproduces,
+        "quick": result.quick,
+        "settings": dataclasses.asdict(s),
+        "seconds": result.seconds,
+        "runs": result.runs,
+        "curves": result.curves,
+        "table": table,
+    }
+    paths = {
+        "json": os.path.join(folder, "results.json"),
+        "csv": os.path.join(folder, "results.csv"),
+        "table": os.path.join(folder, "table.md"),
+    }
+    with open(paths["json"], "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    keys = list(dict.fromkeys(k for r in result.runs for k in r))
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(result.runs)
+    with open(paths["table"], "w") as f:
+        f.write(f"# {study.title}\n\n{table}\n")
+    if "final" in plots or "curves" in plots:
+        for p in plot(result, folder):
+            paths[os.path.basename(p)] = p
+    if "panels" in plots:
+        paths["plot"] = plot_panels(result, os.path.join(folder, "curves.png"))
+    if tensorboard:
+        paths["tensorboard"] = _write_tensorboard(result.curves, os.path.join(folder, "tensorboard"))
+    shutil.rmtree(os.path.join(folder, ARMS), ignore_errors=True)  # finished: nothing left to resume
+    return paths
+
+
+def _write_tensorboard(curves: dict[str, dict[str, Any]], folder: str) -> str:
+    """Each series' mean curves as event files of its own (one line per series in TensorBoard)."""
+    from asgd_jax import writers
+
+    for name, curve in curves.items():
+        board = writers.TensorBoard(os.path.join(folder, writers.folder_name(name)))
+        try:
+            for update, error in zip(curve["update"], curve["train_error"], strict=True):
+                board({"kind": "train", "update": update, "error": error})
+            at = np.searchsorted(np.asarray(curve["epoch"]), np.asarray(curve["eval_epoch"]) - 1e-9) + 1
+            for update, error in zip(at.tolist(), curve["test_error"], strict=True):
+                board({"kind": "eval", "update": update, "error": error})
+        finally:
+            board.close()
+    return folder
+
+
+def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, header: str = "") -> str:
+    """Turns a results folder (one study, or subfolders of several) into ``report.md`` with tables and plots."""
+    folder = pathlib.Path(folder)
+    found = sorted(folder.rglob("results.json"))
+    if not found:
+        raise errors.ConfigError(
+            f"no results.json under {folder}: run `asgd-jax run <study> --out {folder}/<study>` first."
+        )
+    parts = ["# asgd_jax reproduction report", ""] + ([header, ""] if header else [])
+    out = pathlib.Path(out) if out is not None else folder / "report.md"
+    errors.output_folder("out", out.parent, "--out")
+    for path in found:
+        payload = _read_results(path)
+        s = payload["settings"]
+        form = "quick" if payload["quick"] else "full"
+        parts += [
+            f"## {payload['title']} (`{payload['study']}`, {form} form)",
+            "",
+            payload["reproduces"].strip(),
+            "",
+            f"{s['dataset']} / {s['model']}, {len(s['seeds'])} seed(s), {s['epochs']:g} effective epochs, "
+            f"batch {s['batch_size']} per worker, lr {s['learning_rate']} ({s['schedule']}); "
+            f"{payload['seconds']:.0f} s.",
+            "",
+            payload["table"],
+            "",
+        ]
+        for png in sorted(path.parent.glob("*.png")):
+            parts.append(f"![{payload['study']} {png.stem}]({os.path.relpath(png, out.parent)})")
+        parts.append("")
+    out.write_text("\n".join(parts))
+    return str(out)
+
+
+# What report() reads of a results.json, and of its settings.
+_RESULT_KEYS = ("settings", "quick", "title", "study", "reproduces", "seconds", "table")
+_SETTINGS_KEYS = ("dataset", "model", "seeds", "epochs", "batch_size", "learning_rate", "schedule")
+
+
+def _read_results(path: pathlib.Path) -> dict[str, Any]:
+    """A study's ``results.json``, or a :class:`~asgd_jax.errors.ConfigError` saying what is wrong with it (cut short,
+    not JSON, not a study's results)."""
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise errors.ConfigError(
+            f"{path} is not a readable results file ({type(e).__name__}: {e}): run the study again into its folder."
+        ) from None
+    missing = [k for k in _RESULT_KEYS if not isinstance(payload, dict) or k not in payload]
+    if not missing and isinstance(payload["settings"], dict):
+        missing = [f"settings.{k}" for k in _SETTINGS_KEYS if k not in payload["settings"]]
+    if missing or not isinstance(payload.get("settings"), dict):
+        raise errors.ConfigError(
+            f"{path} is not a study's results (it lacks {', '.join(missing) or 'settings'}): run the study again "
+            "into its folder."
+        )
+    return payload

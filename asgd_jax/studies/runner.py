@@ -1,0 +1,489 @@
+"""Running a study: one sweep per arm, locally or as Ray tasks, finished arms kept for a resume."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from asgd_jax import cache, errors, rules, setups
+from asgd_jax import checkpoint as checkpoint_lib
+from asgd_jax import data as data_lib
+from asgd_jax import metrics as metrics_lib
+from asgd_jax.plan import Plan
+from asgd_jax.simulator import Prepared, grid, prepare_sweep, simulate
+from asgd_jax.studies.language import Arm, Settings, Study, Variant, load
+
+log = logging.getLogger("asgd_jax.studies")
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def schedule(
+    s: Settings, num_updates: int, learning_rate: float | jax.Array | None = None, updates_per_epoch: float = 1.0
+) -> optax.Schedule:
+    """The learning rate of a run of ``num_updates`` updates: the setup's (:meth:`Setup.learning_rate_schedule`),
+    DC-ASGD's steps by default.
+
+    Example:
+      >>> from asgd_jax import studies
+      >>> lr = studies.schedule(studies.Settings(learning_rate=0.5), 160)
+      >>> [round(float(lr(t)), 4) for t in (79, 80, 120)]
+      [0.5, 0.05, 0.005]
+    """
+    return s.learning_rate_schedule(num_updates, updates_per_epoch, learning_rate)
+
+
+def _arm_rules(variants: tuple[Variant, ...]) -> list[str]:
+    return list(dict.fromkeys(v.rule for v in variants))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArmRule:
+    """``hparams -> rule`` for an arm: the learning rate (when the arm tunes it), the variants' numbers and (for a mix)
+    which rule are traced. A value (hashable): arms that build their rules alike share one compiled program."""
+
+    names: tuple[str, ...]
+    learning_rate: float
+    schedule: setups.Schedule  # the setup's, in updates of this arm's runs
+    server_lr: float | None
+    momentum: float | None
+    weight_decay: float
+    mean_square_decay: float
+    num_workers: int
+    rule_options: tuple[tuple[str, Any], ...]
+
+    def build(self, rule: str, h: Mapping[str, jax.Array], lr: Any):
+        takes = {*rules.defaults(rule), *rules.required(rule)}
+        kwargs: dict[str, Any] = {}
+        if "num_workers" in rules.required(rule):
+            kwargs["num_workers"] = self.num_workers
+        if rule == "dc_asgd":
+            kwargs.update(mean_square_decay=self.mean_square_decay, lam=h["lam"], adaptive=h["adaptive"] > 0.5)
+        kwargs.update({k: v for k, v in self.rule_options if k in takes})
+        kwargs.update({k: v for k, v in h.items() if k in takes and k not in ("lam", "adaptive")})
+        return setups.make_rule(rule, lr, momentum=self.momentum, weight_decay=self.weight_decay, **kwargs)
+
+    def __call__(self, h: Mapping[str, jax.Array]):
+        # The learning rate is traced only when the arm tunes it: a Python float keeps the schedule's constants folded,
+        # as they always were. A server learning rate (GPU A-SGD's deltas) has no schedule.
+        lr = self.server_lr if self.server_lr is not None else self.schedule.build(h.get("lr", self.learning_rate))
+        if len(self.names) == 1:
+            return self.build(self.names[0], h, lr)
+        return rules.one_of(h["rule"].astype("int32"), [self.build(name, h, lr) for name in self.names])
+
+
+def arm_rule(arm: Arm, s: Settings, num_updates: int, updates_per_epoch: float) -> Callable[[Mapping], Any]:
+    """An arm's ``hparams -> rule`` for runs of ``num_updates`` (``updates_per_epoch`` converts the setup's epochs):
+    the registered rule of each variant with the setup's schedule, momentum and weight decay, its numbers traced. A
+    value: arms that build their rules alike share one compiled program. ``asgd-jax train`` builds its rule from the
+    same setup the same way (:meth:`asgd_jax.setups.Setup.rule`)."""
+    variants = arm.variants
+    return _ArmRule(
+        names=tuple(_arm_rules(variants)),
+        learning_rate=s.learning_rate,
+        schedule=s.schedule_in_updates(num_updates, updates_per_epoch),
+        server_lr=arm.server_lr,
+        momentum=s.momentum,
+        weight_decay=s.weight_decay,
+        mean_square_decay=s.mean_square_decay,
+        num_workers=arm.plan.workers,
+        rule_options=tuple(sorted(arm.rule_options.items())),
+    )
+
+
+def _hparams(variants: tuple[Variant, ...], s: Settings, index: np.ndarray) -> dict[str, np.ndarray]:
+    """Each run's traced numbers (its variant's, by ``index``): the learning rate, lambda, the adaptive flag, hp."""
+    keys = list(variants[0].hp)  # every variant names the same ones (Arm checks)
+    tuned = {"lr": [v.lr or s.learning_rate for v in variants]} if any(v.lr for v in variants) else {}
+    names = _arm_rules(variants)
+    table = {
+        **tuned,
+        **({"rule": [names.index(v.rule) for v in variants]} if len(names) > 1 else {}),
+        "lam": [v.lam for v in variants],
+        "adaptive": [float(v.adaptive) for v in variants],
+        **{k: [v.hp[k] for v in variants] for k in keys},
+    }
+    return {k: np.asarray(values, np.float32)[index] for k, values in table.items()}
+
+
+def time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> float:
+    """The time of the first update whose smoothed training error is at or below ``target`` (NaN if none is).
+
+    Example:
+      >>> import numpy as np
+      >>> from asgd_jax import studies
+      >>> studies.time_to_target(np.arange(4.0), np.array([0.9, 0.6, 0.4, 0.3]), 0.5)
+      2.0
+    """
+    hit = np.flatnonzero(smoothed <= target)
+    return float(times[hit[0]]) if hit.size else math.nan
+
+
+@dataclasses.dataclass
+class StudyResult:
+    """Per-run outcomes and mean curves of a study run (what :func:`run` saves)."""
+
+    study: Study
+    settings: Settings
+    quick: bool
+    runs: list[dict[str, Any]]
+    curves: dict[str, dict[str, list[float]]]
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every arm of a study run shares: the data, the model's loss and evaluation, the initial weights."""
+
+    ds: Any
+    loss_fn: Any
+    eval_fn: Any
+    init: tuple[Any, Any]
+    warm: tuple[Any, Any] | None
+
+
+def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
+    ds = data_lib.load(s.dataset, data_dir=s.data_dir)
+    model = s.build_model(ds.num_classes, ds.input_shape)
+    params0, model_state0 = model.init(jax.random.key(s.init_seed))
+    loss_fn = s.loss(model)
+    warm = None
+    if any(a.warm for a in arms):  # one warm start for the whole study: single-worker SGD from the shared init
+        updates = max(1, round(s.warm_epochs * len(ds.y_train) / s.batch_size))
+        w = simulate(
+            loss_fn,
+            rules.get("sgd", s.learning_rate),
+            params0,
+            ds.train,
+            Plan(1, batch_size=s.batch_size, num_updates=updates),
+            model_state=model_state0,
+            key=jax.random.key(10_000 + s.init_seed),
+            progress=progress,
+        )
+        warm = (w.params, w.model_state)
+    eval_fn = s.evaluation(model, ds.test)
+    return _Setup(ds, loss_fn, eval_fn, (params0, model_state0), warm)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArmRun:
+    """One arm bound to its compiled sweep (checked, not run yet) and what its results are read with."""
+
+    arm: Arm
+    plan: Plan
+    index: np.ndarray  # each run's variant
+    sweep: Prepared
+
+
+def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRun:
+    """One arm's sweep over its variants x seeds, checked and bound to its programs (nothing compiled yet)."""
+    n = len(setup.ds.y_train)
+    p = arm.plan
+    per_update = s.batch_size * p.n_sync * (p.workers if p.mode == "sync" else 1)
+    interval = max(1, round(s.epochs * n / per_update / s.evals))
+    num_updates = interval * s.evals
+    plan = p.replace(batch_size=s.batch_size, num_updates=num_updates, eval_every=interval, chunk=None)
+    variants = arm.variants
+    keys, hp = grid(seeds=s.seeds, index=list(range(len(variants))))
+    index = np.asarray(hp.pop("index")).astype(int)
+    hp = _hparams(variants, s, index)
+    params, model_state = setup.warm if arm.warm else setup.init
+    prepared = prepare_sweep(
+        setup.loss_fn,
+        arm_rule(arm, s, num_updates, n / per_update),
+        params,
+        setup.ds.train,
+        plan,
+        keys=keys,
+        hparams=hp,
+        model_state=model_state,
+        eval_fn=setup.eval_fn,
+        progress=progress,
+        description=arm.description,
+    )
+    return _ArmRun(arm, plan, index, prepared)
+
+
+def _arm_results(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list[dict], dict[str, dict]]:
+    """An arm's runs and mean curves, from its sweep's result."""
+    arm, plan, index, variants = run.arm, run.plan, run.index, run.arm.variants
+    n = len(setup.ds.y_train)
+    per_update = s.batch_size * plan.n_sync * (plan.workers if plan.mode == "sync" else 1)
+    num_updates = plan.num_updates
+    mx = result.metrics
+    seeds = np.repeat(np.asarray(s.seeds), len(variants))
+    # Training error per minibatch, smoothed over `window` minibatches (an update is n_sync of them per worker).
+    smoothed = metrics_lib.smooth(mx["error"], max(1, s.window // plan.n_sync))
+    offset = s.warm_epochs if arm.warm else 0.0
+    runs, curves = [], {}
+    for i, variant in enumerate(variants):
+        rows = np.flatnonzero(index == i)
+        label = arm.label(variant)
+        coords = {**arm.coords, **variant.coords, **({"lr": variant.lr} if variant.lr else {}), "label": label}
+        series = " | ".join(
+            f"{k}={v}"
+            for k, v in coords.items()
+            if k != "label" and f"{k}={v}" not in label and str(v) not in label.split(", ")
+        )
+        curves[f"{label} ({series})" if series else label] = {
+            "coords": coords,
+            "update": list(range(1, num_updates + 1)),
+            "epoch": (offset + mx["epoch"][rows[0]]).tolist(),
+            "time": mx["time"][rows].mean(axis=0).tolist(),
+            "train_error": smoothed[rows].mean(axis=0).tolist(),
+            "eval_epoch": (offset + mx["eval_update"][rows[0]] * per_update / n).tolist(),
+            "test_error": mx["eval_error"][rows].mean(axis=0).tolist(),
+        }
+        runs += [
+            {
+                **coords,
+                "seed": int(seeds[r]),
+                "test_error": float(mx["eval_error"][r, -1]),
+                "train_error": float(smoothed[r, -1]),
+                "time_to_target": time_to_target(mx["time"][r], smoothed[r], s.target_error),
+                "virtual_time": float(mx["time"][r, -1]),
+                "mean_staleness": float(mx["staleness"][r].mean()),
+                "max_staleness": int(mx["staleness"][r].max()),
+                "updates": num_updates,
+            }
+            for r in rows
+        ]
+    return runs, curves
+
+
+def _for_every(arm: Arm, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An arm's runs copied into every cell of its ``for_every`` coordinates (a reference run once)."""
+    for key, values in arm.for_every.items():
+        runs = [{**r, key: v} for v in values for r in runs]
+    return runs
+
+
+def run(
+    study: Study,
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    settings: Settings | None = None,
+    form: str | None = None,
+    on_arm: Callable[[Arm, list[dict[str, Any]], dict[str, Any]], Any] | None = None,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
+    backend: str = "local",
+    ray_address: str | None = None,
+) -> StudyResult:
+    """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
+
+    Args:
+      study: the study (:func:`load` finds one by name).
+      quick: the quick form (minutes on 2 CPU cores) instead of the full one.
+      progress: progress bars, one per arm, labelled with it.
+      settings: override the form's settings (tests use a tiny one).
+      form: a named form of the study (``"quick"``, ``"full"`` or one of ``study.forms``), instead of ``quick``.
+      on_arm: ``on_arm(arm, runs, curves)`` as each arm finishes: its rows of the results and its mean curves (to
+        log them elsewhere, or watch a long study); on a resume, the arms found done are handed over first.
+      out: a folder that keeps each finished arm (``<out>/arms/<i>.json``, written atomically as the arm finishes),
+        so that a study killed midway loses at most the arm it was running (:func:`save` into the same folder
+        clears them once the results are written).
+      resume: with ``out``: run only the arms not found there (the same tables as an uninterrupted run); the study,
+        its form and settings must be the ones the folder's arms were run with. Without it, a folder holding an
+        unfinished study is refused.
+      backend: ``"local"`` (the arms one after another in this process, each over every local accelerator) or
+        ``"ray"``: each arm a Ray task (:func:`run_arm`; a GPU each where the cluster has them), gathered into the same
+        result in arm order (identical numbers), one progress bar for the study, a task whose worker died retried
+        (up to :data:`MAX_RETRIES` times), an arm that fails for its own reason named with it.
+      ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made); default: a local instance.
+    """
+    errors.require(on_arm is None or callable(on_arm), "on_arm", on_arm, "give a function of (arm, runs, curves)")
+    errors.choice("backend", backend, BACKENDS, "--backend")
+    if backend == "ray":
+        from asgd_jax.ray_backend import require_ray
+
+        require_ray()  # fails at once, with the install command
+    start = time.perf_counter()
+    cache.enable()  # the studies' programs are kept across processes (asgd_jax.cache)
+    s = settings or study.form(form or ("quick" if quick else "full"))
+    arms = study.arms(s, quick)
+    if not arms:
+        raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
+    kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume)
+    found = {} if kept is None else kept.found()
+    if found:
+        log.info("resuming %s: %d of %d arms done in %s", study.name, len(found), len(arms), out)
+    runs: list[dict[str, Any]] = []
+    curves: dict[str, dict[str, list[float]]] = {}
+
+    def finished(arm: Arm, arm_runs: list[dict[str, Any]], arm_curves: dict[str, Any], tell: bool = True) -> None:
+        runs.extend(_for_every(arm, arm_runs))
+        curves.update(arm_curves)
+        if on_arm is not None and tell:
+            on_arm(arm, arm_runs, arm_curves)
+
+    if backend == "ray":
+        done = None if on_arm is None else lambda i, result: on_arm(arms[i], *result)  # as each arm finishes
+        results = _run_on_ray(study, s, quick, arms, found, kept, progress, ray_address, done)
+        for i, arm in enumerate(arms):  # the results in arm order, whatever order the tasks finished in
+            finished(arm, *results[i], tell=False)
+        return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+    setup = _setup(s, arms, progress)
+    # Every arm still to run is checked before any runs.
+    prepared = {i: _prepare_arm(s, arm, setup, progress) for i, arm in enumerate(arms) if i not in found}
+
+    # The arms' programs compile (or load) on threads of their own, in order, while the earlier arms compute: a
+    # compilation releases Python's lock, so the time a study waits for the compiler shrinks to its first arm's.
+    threads = max(1, min(2, (os.cpu_count() or 1) - 1))  # beside the compute: two threads need three cores
+    ahead = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="asgd_jax-compile")
+    try:
+        compiled = {i: ahead.submit(arm_run.sweep.compile) for i, arm_run in prepared.items()}
+        for i, arm in enumerate(arms):
+            if i in found:
+                finished(arm, *found[i])
+                continue
+            result = prepared[i].sweep.run()  # waits for its compilation if it is still under way
+            compiled[i].result()
+            arm_runs, arm_curves = _arm_results(s, prepared[i], result, setup)
+            if kept is not None:
+                kept.keep(i, arm_runs, arm_curves)
+            finished(arm, arm_runs, arm_curves)
+    finally:
+        ahead.shutdown(wait=False, cancel_futures=True)
+    return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+
+
+ARMS = "arms"  # the folder of a study's finished arms, under its output folder
+BACKENDS = ("local", "ray")
+MAX_RETRIES = 3  # a Ray task whose worker died is run again this many times
+
+
+def run_arm(study: Study, settings: Settings, quick: bool, index: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One arm of a study, alone: its data, model and warm start made as :func:`run` makes them, its sweep run; its
+    rows of the results and its mean curves (what a Ray task of ``run(backend="ray")`` computes)."""
+    cache.enable()  # a Ray worker reuses the programs other workers (and runs) compiled
+    arms = study.arms(settings, quick)
+    errors.require(0 <= index < len(arms), "index", index, f"the study has {len(arms)} arms")
+    setup = _setup(settings, arms, progress=False)
+    prepared = _prepare_arm(settings, arms[index], setup, progress=False)
+    return _arm_results(settings, prepared, prepared.sweep.run(), setup)
+
+
+def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done) -> dict[int, tuple]:
+    """Every arm not ``found`` as a Ray task, gathered by index as they finish (kept as they finish, with ``kept``;
+    ``done(index, result)`` told of each, the found ones first)."""
+    import ray
+    from tqdm.auto import tqdm
+
+    from asgd_jax.ray_backend import join
+
+    join(address)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=MAX_RETRIES, retry_exceptions=False)(run_arm)
+    pending = {task.remote(study, s, quick, i): i for i in range(len(arms)) if i not in found}
+    results = dict(found)
+    for i in sorted(found) if done is not None else ():
+        done(i, found[i])
+    with tqdm(
+        total=len(arms), initial=len(found), disable=not progress, desc=f"{study.name} on Ray", unit="arm"
+    ) as bar:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            i = pending.pop(ready[0])
+            try:
+                results[i] = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                raise RuntimeError(f"arm {i} ({arms[i].description}) failed: {type(cause).__name__}: {cause}") from None
+            if kept is not None:
+                kept.keep(i, *results[i])
+            if done is not None:
+                done(i, results[i])
+            bar.update(1)
+    return results
+
+
+def _manifest(study: Study, s: Settings, quick: bool, arms: list[Arm]) -> dict[str, Any]:
+    """What a folder's finished arms were run with, as JSON reads it back: a resume must match it."""
+    manifest = {
+        "study": study.name,
+        "quick": quick,
+        "settings": dataclasses.asdict(s),
+        "arms": [{**arm.coords, "description": arm.description} for arm in arms],
+    }
+    return json.loads(json.dumps(manifest, default=str))
+
+
+class _ArmStore:
+    """A study's finished arms in ``<out>/arms``: a manifest, then one JSON file per arm as it finishes."""
+
+    def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool):
+        self.folder = os.path.join(errors.output_folder("out", out, "--out"), ARMS)
+        path = os.path.join(self.folder, "study.json")
+        if os.path.exists(path):
+            saved = checkpoint_lib.read_json(path)
+            done = len([f for f in os.listdir(self.folder) if f[:-5].isdigit()])
+            if not resume:
+                raise errors.ConfigError(
+                    f"{out} holds an unfinished run of study {saved.get('study')!r} ({done} of "
+                    f"{len(saved.get('arms', []))} arms done): pass resume=True (--resume) to finish it, or choose "
+                    "another output folder."
+                )
+            differ = sorted(_differences(saved, manifest))
+            errors.require(
+                not differ,
+                "resume",
+                True,
+                f"{out}'s arms were run with other settings ({'; '.join(differ[:4])}): use the same study, form and "
+                "settings, or another output folder",
+                "--resume",
+            )
+        else:
+            os.makedirs(self.folder, exist_ok=True)
+            checkpoint_lib.write_json(path, manifest)
+        self.manifest = manifest
+
+    def found(self) -> dict[int, tuple[list[dict[str, Any]], dict[str, Any]]]:
+        """The arms finished before, by index: their runs and curves."""
+        out = {}
+        for i in range(len(self.manifest["arms"])):
+            path = os.path.join(self.folder, f"{i}.json")
+            if os.path.exists(path):
+                saved = checkpoint_lib.read_json(path)
+                out[i] = (saved["runs"], saved["curves"])
+        return out
+
+    def keep(self, i: int, runs: list[dict[str, Any]], curves: dict[str, Any]) -> None:
+        checkpoint_lib.write_json(os.path.join(self.folder, f"{i}.json"), {"runs": runs, "curves": curves})
+
+
+def _differences(saved: Any, now: Any, where: str = "") -> list[str]:
+    """Where two JSON values differ, as ``path: saved -> now`` lines."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [
+            d for k in sorted(set(saved) | set(now)) for d in _differences(saved.get(k), now.get(k), f"{where}.{k}")
+        ]
+    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
+        return [d for i, (a, b) in enumerate(zip(saved, now, strict=True)) for d in _differences(a, b, f"{where}[{i}]")]
+    return [] if saved == now else [f"{where.lstrip('.')}: {saved!r} then, {now!r} now"]
+
+
+def ablate(*, quick: bool = False, progress: bool = True, **overrides: Any) -> StudyResult:
+    """DC-ASGD's Table 1 in miniature: the ``dcasgd_table1`` study in its ``ablate`` form (mnist1d MLP, 40 effective
+    epochs, 5 seeds; ``quick``: 15 epochs, 3 seeds), with ``overrides`` of its :class:`Settings` (``workers``,
+    ``algorithms``, ``seeds``, ``epochs``, ``learning_rate``, ``lam_c``, ``lam_a``, ``dataset``, ...). What
+    ``asgd-jax ablate`` and ``make demo`` run."""
+    study = load("dcasgd_table1")
+    settings = dataclasses.replace(study.form("ablate-quick" if quick else "ablate"), **overrides)
+    return run(study, quick=quick, progress=progress, settings=settings)
