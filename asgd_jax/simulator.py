@@ -376,17 +376,11 @@ def _evaluate(evaluate, state: SimState, eval_data: Any) -> dict[str, jax.Array]
             f"eval_fn returned {type(out).__name__}, not a dict of scalars: return e.g. {{'error': error}}."
         )
     shapes = {k: jnp.shape(v) for k, v in out.items()}
-    errors.require(
-        all(shape == () for shape in shapes.values()),
-        "eval_fn",
-        _eval_fn_name(evaluate),
-        f"it returned arrays of shapes {shapes}: return a dict of scalars, e.g. {{'error': error}}",
-    )
+    if any(shape != () for shape in shapes.values()):
+        raise errors.ConfigError(
+            f"eval_fn returned arrays of shapes {shapes}, not a dict of scalars: return e.g. {{'error': error}}."
+        )
     return {f"eval_{k}": jnp.asarray(v, jnp.float32) for k, v in out.items()}
-
-
-def _eval_fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _dynamic_scan(step: Callable, carry: Any, xs: Any, n: jax.Array) -> tuple[Any, Any]:
@@ -665,10 +659,13 @@ def _check_on_nonfinite(policy: Any) -> str:
     return errors.choice("on_nonfinite", policy, NONFINITE)
 
 
-def _check_options(on_nonfinite: Any, checkpoint_dir: Any, progress: Any) -> None:
-    _check_on_nonfinite(on_nonfinite)
-    _check_checkpoint_dir(checkpoint_dir)
-    _check_progress(progress)
+def _check_options(on_nonfinite: Any, checkpoint_dir: Any, progress: Any) -> dict[str, Any]:
+    """A call's run options, checked (before anything is made on a device) and in the forms its ``_Call`` holds."""
+    return {
+        "on_nonfinite": _check_on_nonfinite(on_nonfinite),
+        "checkpoint_dir": _check_checkpoint_dir(checkpoint_dir),
+        "progress": _check_progress(progress),
+    }
 
 
 def _check_progress(progress: Any) -> bool:
@@ -1025,7 +1022,7 @@ def simulate(
       True
     """
     plan = _check_plan(plan)
-    _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
+    options = _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
     key = _check_key("key", jax.random.key(0) if key is None else key, batched=False)
     _check_rule(rule)
     delays_source, delay_numbers = _plan_delays(plan)
@@ -1041,9 +1038,7 @@ def simulate(
         hparams={},
         numbers=_numbers(plan, rule_numbers, delay_numbers),
         batched=False,
-        on_nonfinite=_check_on_nonfinite(on_nonfinite),
-        checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
-        progress=_check_progress(progress),
+        **options,
         callback=callback,
         description="simulate",
     )
@@ -1178,7 +1173,7 @@ def prepare_sweep(
     ahead, e.g. on a background thread while another sweep runs.
     """
     plan = _check_plan(plan)
-    _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
+    options = _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
     devices = _check_devices(devices)
     keys = _check_key("keys", keys, batched=True)
     num_runs = own_runs = int(keys.shape[0])
@@ -1214,9 +1209,7 @@ def prepare_sweep(
         hparams=hparams,
         numbers=_numbers(plan, rule_numbers, delay_numbers),
         batched=True,
-        on_nonfinite=_check_on_nonfinite(on_nonfinite),
-        checkpoint_dir=_check_checkpoint_dir(checkpoint_dir),
-        progress=_check_progress(progress),
+        **options,
         callback=callback,
         description=description or f"sweep x{own_runs}" + (f" on {len(devices)} devices" if len(devices) > 1 else ""),
         runs=own_runs if len(devices) > 1 else None,
