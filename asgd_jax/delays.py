@@ -27,9 +27,24 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["Event", "FixedDelay", "RandomDelay", "Structure", "Trace", "Workers", "is_delay_model", "split"]
+__all__ = [
+    "Event",
+    "FixedDelay",
+    "MSync",
+    "RandomDelay",
+    "Rennala",
+    "Ringmaster",
+    "Round",
+    "Structure",
+    "Trace",
+    "Workers",
+    "is_delay_model",
+    "is_round_model",
+    "split",
+    "sqrt_times",
+]
 
-COMPUTE_TIME_KINDS = ("exponential", "constant", "lognormal")
+COMPUTE_TIME_KINDS = ("exponential", "constant", "lognormal", "pareto")
 
 
 class Event(NamedTuple):
@@ -41,7 +56,11 @@ class Event(NamedTuple):
       shard: data shard the pushing worker reads (int32).
       time: virtual time of the update (float32).
       skip: minibatch periods the shard skips before this push (int32): a replayed trainer run's pushes rejected as
-        NaN/Inf, which used up their minibatches and changed no weight (:class:`Trace`); 0 for every drawn model.
+        NaN/Inf, or gradients a policy ignored (:class:`Ringmaster`), which used up their minibatches and changed no
+        weight; the literal 0 for the models that never skip.
+      worker: the pushing worker, when it is not the push slot (a ring of versions, :class:`Ringmaster`).
+      busy: the workers' compute time so far, wasted work included (the models of the optimal-time methods).
+      wasted: of ``busy``, the work that changed no weight: ignored gradients and stopped computations.
     """
 
     push_slot: jax.Array
@@ -49,13 +68,38 @@ class Event(NamedTuple):
     shard: jax.Array
     time: jax.Array
     skip: Any = 0
+    worker: Any = None
+    busy: Any = None
+    wasted: Any = None
+
+
+class Round(NamedTuple):
+    """One update of a round model (:class:`Rennala`, :class:`MSync`): the mean of ``K`` payloads, every one computed
+    at the current weights w_t.
+
+    Attributes:
+      shards: int32 ``[K]``: the worker (and data shard) of every payload, in the order they are averaged; a worker
+        may appear more than once (a fast worker gives several gradients in one Rennala round).
+      skips: int32 ``[K]``: minibatch periods that worker used on ignored gradients just before this payload's.
+      time: the virtual time the round ends (its last used gradient arrives).
+      busy, wasted: as in :class:`Event`.
+    """
+
+    shards: jax.Array
+    skips: jax.Array
+    time: jax.Array
+    busy: jax.Array
+    wasted: jax.Array
 
 
 def is_delay_model(value: Any) -> bool:
     """Whether ``value`` offers the delay-model interface the engines use: static ints ``num_slots`` (backups the
     server keeps) and ``num_shards`` (data shards), and pure, traceable ``init(key, n_sync) -> state`` and
-    ``next(state, t, key, n_sync) -> (state, Event)`` (``key`` already folded with the update index ``t``)."""
-    return all(hasattr(value, a) for a in ("num_slots", "num_shards", "init", "next"))
+    ``next(state, t, key, n_sync) -> (state, Event)`` (``key`` already folded with the update index ``t``), or, for a
+    round model, ``round_size`` and ``round(state, t, key, n_sync) -> (state, Round)``."""
+    return all(hasattr(value, a) for a in ("num_slots", "num_shards", "init")) and (
+        hasattr(value, "next") or is_round_model(value)
+    )
 
 
 class Structure(NamedTuple):
@@ -84,14 +128,43 @@ def split(model: Any) -> tuple[Structure, list[jax.Array]]:
       >>> import asgd_jax
       >>> a, numbers = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=2.0))
       >>> b, _ = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=3.0))
-      >>> a == b, len(numbers)  # mean_compute_time, sigma, straggler_slowdown (the zeros are structure)
-      (True, 3)
+      >>> a == b, len(numbers)  # mean_compute_time, sigma, straggler_slowdown, alpha (the zeros are structure)
+      (True, 4)
     """
     leaves, treedef = jax.tree.flatten(model)
     literal = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and x == 0
     zeros = tuple((i, x) for i, x in enumerate(leaves) if literal(x))
     numbers = [x for x in leaves if not literal(x)]
     return Structure(treedef, zeros), numbers
+
+
+def sqrt_times(num: int) -> np.ndarray:
+    """The optimal-time papers' heterogeneous cluster: worker i (from 1) takes ``1 + sqrt(i)`` per gradient.
+
+    Example:
+      >>> import asgd_jax
+      >>> asgd_jax.delays.sqrt_times(4).round(3).tolist()
+      [2.0, 2.414, 2.732, 3.0]
+    """
+    _check_int("num", num, 1)
+    return 1.0 + np.sqrt(np.arange(1, num + 1, dtype=np.float64))
+
+
+def _per_worker(name: str, value: Any, num: int) -> Any:
+    """A number, or one per worker (``[num]``), finite and >= 0; kept as given when it is a scalar (a literal 0 is
+    structure: no draw), made one float32 array (one leaf) when it is a list."""
+    if not _is_concrete(value) or (isinstance(value, int | float) and not isinstance(value, bool)):
+        _check_array(name, value, lambda v: v >= 0, ">= 0")
+        return value
+    try:
+        if isinstance(value, bool | str | bytes):
+            raise TypeError(name)
+        array = np.asarray(value, np.float32)
+    except (TypeError, ValueError):
+        array = np.asarray(np.nan, np.float32)
+    if array.ndim > 1 or (array.ndim == 1 and array.shape != (num,)) or not np.all(np.isfinite(array) & (array >= 0)):
+        raise errors.ConfigError(f"{name}={value!r} is invalid: give one number >= 0, or {num} (one per worker).")
+    return array if isinstance(value, np.ndarray | list | tuple) else value
 
 
 def _pytree_dataclass(cls, meta: tuple[str, ...]):
@@ -129,8 +202,11 @@ class Workers:
     """M event-driven workers with random compute times (the default delay model).
 
     Each worker's time per minibatch is ``mean_compute_time / speeds[w]`` scaled by a draw of ``compute_time``
-    (``"exponential"`` with mean 1, ``"constant"`` 1, or ``"lognormal"`` with mean 1 and log-std ``sigma``), times
-    ``straggler_slowdown`` with probability ``straggler_prob``; each exchange adds ``comm_time``. The next push comes
+    (``"exponential"`` with mean 1, ``"constant"`` 1, ``"lognormal"`` with mean 1 and log-std ``sigma``, or
+    ``"pareto"``: heavy-tailed with mean 1 and tail index ``alpha``), times ``straggler_slowdown`` with probability
+    ``straggler_prob``, plus a half-normal ``|N(0, noise[w]^2)|`` (a new draw per minibatch); each exchange adds
+    ``comm_time``. Fixed per-worker times: :meth:`with_times` (``Workers.with_times(sqrt_times(M), noise=...)`` is
+    the optimal-time papers' cluster, times 1 + sqrt(i)). The next push comes
     from the worker that finishes first (ties go to the lower id); after pushing it pulls the fresh weights.
 
     Args:
@@ -142,6 +218,8 @@ class Workers:
       straggler_prob: probability in [0, 1] that a minibatch is slowed down.
       straggler_slowdown: factor >= 1 of such a slowdown.
       comm_time: time of one push + pull (>= 0).
+      alpha: the Pareto tail index (> 1; the variance is finite only above 2).
+      noise: the scale of the additive half-normal noise per minibatch (>= 0): one number, or one per worker.
 
     Example:
       >>> import asgd_jax
@@ -157,6 +235,8 @@ class Workers:
     straggler_prob: Any = 0.0
     straggler_slowdown: Any = 10.0
     comm_time: Any = 0.0
+    alpha: Any = 3.0
+    noise: Any = 0.0
 
     def __post_init__(self):
         _check_int("num", self.num, 1)
@@ -169,6 +249,8 @@ class Workers:
         _check_array("straggler_prob", self.straggler_prob, lambda v: (v >= 0) & (v <= 1), "in [0, 1]")
         _check_array("straggler_slowdown", self.straggler_slowdown, lambda v: v >= 1, ">= 1")
         _check_array("comm_time", self.comm_time, lambda v: v >= 0, ">= 0")
+        _check_array("alpha", self.alpha, lambda v: v > 1, "> 1 (a Pareto law with a finite mean)")
+        object.__setattr__(self, "noise", _per_worker("noise", self.noise, self.num))
         if self.speeds is not None and _is_concrete(self.speeds):
             try:
                 if any(isinstance(v, bool | np.bool_ | str | bytes) for v in np.ravel(np.asarray(self.speeds, object))):
@@ -184,12 +266,30 @@ class Workers:
             if not isinstance(self.speeds, np.ndarray | jax.Array):  # one array (one leaf), not a list of numbers
                 object.__setattr__(self, "speeds", speeds)
 
+    @classmethod
+    def with_times(cls, times: Any, **kwargs: Any) -> Workers:
+        """Workers whose minibatch takes ``times[w]`` (fixed per-worker times, constant draws unless ``compute_time``
+        says otherwise), e.g. ``Workers.with_times(sqrt_times(64), noise=0.1)``."""
+        try:
+            with np.errstate(divide="ignore", over="ignore"):
+                times_ = np.asarray(times, np.float64)
+        except (TypeError, ValueError):
+            times_ = np.zeros(0)
+        if times_.ndim != 1 or times_.size == 0 or not np.all(np.isfinite(times_) & (times_ > 0)):
+            raise errors.ConfigError(f"times={times!r} is invalid: give a 1-D list of positive finite times.")
+        kwargs.setdefault("compute_time", "constant")
+        return cls(int(times_.size), speeds=(1.0 / times_).astype(np.float32), **kwargs)
+
     @property
     def num_slots(self) -> int:
         return self.num
 
     @property
     def num_shards(self) -> int:
+        return self.num
+
+    @property
+    def num_workers(self) -> int:
         return self.num
 
     def draw(self, key: jax.Array, shape: tuple[int, ...] = (), worker: jax.Array | None = None) -> jax.Array:
@@ -202,9 +302,13 @@ class Workers:
             base = jnp.ones(shape, jnp.float32)
         elif self.compute_time == "exponential":
             base = jax.random.exponential(k_time, shape, jnp.float32)
-        else:  # lognormal with mean 1: exp(sigma * z - sigma^2 / 2)
+        elif self.compute_time == "lognormal":  # mean 1: exp(sigma * z - sigma^2 / 2)
             sigma = jnp.asarray(self.sigma, jnp.float32)
             base = jnp.exp(sigma * jax.random.normal(k_time, shape, jnp.float32) - 0.5 * sigma * sigma)
+        else:  # Pareto with mean 1: x_m * U^(-1/alpha), x_m = (alpha - 1) / alpha
+            alpha = jnp.asarray(self.alpha, jnp.float32)
+            u = jax.random.uniform(k_time, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+            base = (alpha - 1.0) / alpha * u ** (-1.0 / alpha)
         # A literal 0.0 (the default) needs no draw; a traced or non-zero probability does.
         if not (isinstance(self.straggler_prob, int | float) and self.straggler_prob == 0):
             k_strag = jax.random.fold_in(key, 1)
@@ -214,7 +318,13 @@ class Workers:
             speeds = jnp.asarray(self.speeds, jnp.float32)
             speeds = speeds[worker] if worker is not None else speeds.reshape((1,) * (len(shape) - 1) + (self.num,))
             base = base / speeds
-        return base * jnp.asarray(self.mean_compute_time, jnp.float32)
+        base = base * jnp.asarray(self.mean_compute_time, jnp.float32)
+        if not (isinstance(self.noise, int | float) and self.noise == 0):
+            noise = jnp.asarray(self.noise, jnp.float32)
+            if noise.ndim:
+                noise = noise[worker] if worker is not None else noise.reshape((1,) * (len(shape) - 1) + (self.num,))
+            base = base + noise * jnp.abs(jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.float32))
+        return base
 
     def work_time(self, key: jax.Array, n_sync: int, worker: jax.Array | None = None) -> jax.Array:
         """Time of one exchange period (``n_sync`` minibatches plus ``comm_time``): ``[num]``, or a scalar for one
@@ -420,3 +530,288 @@ class RandomDelay(_RingDelay):
 
 
 RandomDelay = _pytree_dataclass(RandomDelay, meta=("max_tau",))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The optimal-time methods' clusters: which gradients are used, ignored or stopped is decided by timing alone, so it
+# is part of the schedule, computed before any gradient.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ClusterState(NamedTuple):
+    """Every worker's computation in progress, and the work done so far.
+
+    Attributes:
+      finish: float32 ``[M]``: when the computation in progress ends.
+      began: float32 ``[M]``: when it began.
+      start: int32 ``[M]``: the version (applied updates) of the weights it is computed at.
+      skips: int32 ``[M]``: minibatch periods used on gradients that were ignored since the worker's last used one.
+      clock: float32: the time of the last update.
+      busy: float32: compute time of all workers so far, wasted work included (finished or stopped computations).
+      wasted: float32: of ``busy``, the work that changed no weight (ignored gradients, stopped computations).
+    """
+
+    finish: jax.Array
+    began: jax.Array
+    start: jax.Array
+    skips: jax.Array
+    clock: jax.Array
+    busy: jax.Array
+    wasted: jax.Array
+
+
+def _fresh(workers: Workers, key: jax.Array, n_sync: int) -> ClusterState:
+    m = workers.num
+    zero_f, zero_i = jnp.zeros((m,), jnp.float32), jnp.zeros((m,), jnp.int32)
+    scalar = jnp.zeros((), jnp.float32)
+    return ClusterState(workers.work_time(key, n_sync), zero_f, zero_i, zero_i, scalar, scalar, scalar)
+
+
+def _restart(s: ClusterState, w: jax.Array, now: jax.Array, version: jax.Array, work: jax.Array, used: bool, ignored):
+    """Worker ``w``'s computation ends at ``now`` (its gradient ``used`` or ``ignored``), and it begins the next one,
+    at ``version``'s weights, taking ``work``."""
+    spent = now - s.began[w]
+    return s._replace(
+        finish=s.finish.at[w].set(now + work),
+        began=s.began.at[w].set(now),
+        start=s.start.at[w].set(version),
+        skips=s.skips.at[w].set(0) if used else s.skips.at[w].add(jnp.asarray(ignored, jnp.int32)),
+        busy=s.busy + spent,
+        wasted=s.wasted + jnp.where(ignored, spent, 0.0) if not used else s.wasted,
+    )
+
+
+def _stop(s: ClusterState, which: jax.Array, now: jax.Array, version: jax.Array, work: jax.Array) -> ClusterState:
+    """Stops the computations ``which`` (bool ``[M]``) at ``now``: their work is wasted, they begin again at
+    ``version``'s weights (no minibatch used: the worker restarts on the same one)."""
+    spent = jnp.where(which, now - s.began, 0.0).sum()
+    return s._replace(
+        finish=jnp.where(which, now + work, s.finish),
+        began=jnp.where(which, now, s.began),
+        start=jnp.where(which, version, s.start),
+        busy=s.busy + spent,
+        wasted=s.wasted + spent,
+    )
+
+
+class _Cluster:
+    """Shared by the optimal-time models: M workers drawn from a :class:`Workers` law."""
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers.num
+
+    @property
+    def num_shards(self) -> int:
+        return self.workers.num
+
+    def init(self, key: jax.Array, n_sync: int = 1) -> ClusterState:
+        return _fresh(self.workers, key, n_sync)
+
+
+def _check_workers(workers: Any) -> Workers:
+    if errors.is_int(workers):
+        return Workers(workers)
+    if not isinstance(workers, Workers):
+        raise errors.ConfigError(
+            f"workers={workers!r} is invalid: give an asgd_jax.delays.Workers (the compute-time law) or an int M."
+        )
+    return workers
+
+
+class Ringmaster(_Cluster):
+    """Ringmaster ASGD's cluster (Maranjyan, Tyurin & Richtárik, ICML 2025, arXiv 2501.16168).
+
+    Asynchronous workers drawn from ``workers``; a gradient whose delay (updates *applied* since its worker began it)
+    is below ``threshold`` R is applied (x <- x - lr g with the arm's rule, plain SGD in the paper); otherwise it is
+    ignored (its minibatch used, no weight changed, the version not advanced) and the worker restarts at the current
+    weights. With ``stops=True`` every arriving gradient is applied and, after each update, a worker whose
+    computation in progress has become R updates stale is stopped and restarted at the current weights.
+
+    The server keeps a ring of R weight versions (no backup per worker: M = 1,000 workers cost R copies of the
+    weights), so R is static; the paper's hyperparameters are the step size and R (its quadratic script: R = 6).
+    Lemma 4.1 (fixed times, with stops): any R consecutive updates finish within 2 min_m H_m (1 + R/m).
+
+    Args:
+      workers: the compute-time law (:class:`Workers`), or an int M for ``Workers(M)``.
+      threshold: R >= 1 (static).
+      stops: stop and restart a computation that has become R updates stale (static).
+
+    Example:
+      >>> import asgd_jax
+      >>> cluster = asgd_jax.delays.Ringmaster(asgd_jax.delays.Workers(1000), threshold=6)
+      >>> cluster.num_workers, cluster.num_slots
+      (1000, 6)
+    """
+
+    workers: Any
+    threshold: int = 1
+    stops: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "workers", _check_workers(self.workers))
+        _check_int("threshold", self.threshold, 1)
+        errors.require(isinstance(self.stops, bool), "stops", self.stops, "give True or False")
+
+    @property
+    def num_slots(self) -> int:
+        return self.threshold
+
+    def next(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        law, r = self.workers, self.threshold
+
+        def arrival(s):
+            w = jnp.argmin(s.finish).astype(jnp.int32)
+            return w, s.finish[w]
+
+        if not self.stops:  # ignore (and restart) every arrival as stale as R or more, until one is applied
+
+            def ignored(c):
+                s, _ = c
+                return t - s.start[arrival(s)[0]] >= r
+
+            def ignore(c):
+                s, j = c
+                w, now = arrival(s)
+                work = law.work_time(jax.random.fold_in(key, j), n_sync, w)
+                return _restart(s, w, now, t, work, used=False, ignored=True), j + 1
+
+            s, j = jax.lax.while_loop(ignored, ignore, (s, jnp.ones((), jnp.int32)))
+        else:
+            j = jnp.ones((), jnp.int32)
+        w, now = arrival(s)
+        push_slot, skip = s.start[w] % r, s.skips[w]
+        s = _restart(s, w, now, t + 1, law.work_time(key, n_sync, w), used=True, ignored=False)
+        if self.stops:
+            stale = (t + 1 - s.start) >= r
+            s = _stop(s, stale, now, t + 1, law.work_time(jax.random.fold_in(key, j), n_sync))
+        s = s._replace(clock=now)
+        event = Event(push_slot, (t + 1) % r, w, now, skip, w, s.busy, s.wasted)
+        return s, event
+
+
+Ringmaster = _pytree_dataclass(Ringmaster, meta=("threshold", "stops"))
+
+
+class Rennala(_Cluster):
+    """Rennala SGD's cluster (Tyurin & Richtárik, NeurIPS 2023, arXiv 2305.12387): rounds of S gradients.
+
+    Every worker computes at the current weights x^k; the gradients computed at x^k are collected, as they arrive,
+    until S have (a fast worker may give several, each on its next minibatch); then one update with their mean. A
+    gradient computed at an older iterate is ignored (its minibatch used) and its worker restarts at x^k. With
+    ``stops=True`` every worker is stopped at the round's end and restarts at x^{k+1} (the 2026 group code's
+    semantics): then, with fixed times tau_i, a round takes exactly T_S = min{t : sum_i floor(t / tau_i) >= S}.
+
+    Every update is computed at w_t, so the server keeps no backup: one copy of the weights for any M.
+
+    Args:
+      workers: the compute-time law (:class:`Workers`), or an int M.
+      batch: S >= 1 (static: the round's payloads are one batched gradient).
+      stops: restart every worker at the new weights after each round (static).
+
+    Example:
+      >>> import asgd_jax
+      >>> asgd_jax.delays.Rennala(asgd_jax.delays.Workers(16), batch=4).round_size
+      4
+    """
+
+    workers: Any
+    batch: int = 1
+    stops: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "workers", _check_workers(self.workers))
+        _check_int("batch", self.batch, 1)
+        errors.require(isinstance(self.stops, bool), "stops", self.stops, "give True or False")
+
+    num_slots = 1
+
+    @property
+    def round_size(self) -> int:
+        return self.batch
+
+    def round(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        law, size = self.workers, self.batch
+        shards = jnp.zeros((size,), jnp.int32)
+
+        def collecting(c):
+            return c[1] < size
+
+        def arrive(c):
+            s, count, shards, skips, j = c
+            w = jnp.argmin(s.finish).astype(jnp.int32)
+            now, fresh = s.finish[w], s.start[w] == t
+            shards = jnp.where(fresh, shards.at[count].set(w), shards)
+            skips = jnp.where(fresh, skips.at[count].set(s.skips[w]), skips)
+            work = law.work_time(jax.random.fold_in(key, j), n_sync, w)
+            used = _restart(s, w, now, t, work, used=True, ignored=False)
+            ignored = _restart(s, w, now, t, work, used=False, ignored=True)
+            s = jax.tree.map(lambda a, b: jnp.where(fresh, a, b), used, ignored)
+            return s, count + fresh.astype(jnp.int32), shards, skips, j + 1
+
+        zero = jnp.zeros((), jnp.int32)
+        s, _, shards, skips, j = jax.lax.while_loop(collecting, arrive, (s, zero, shards, shards, zero))
+        now = s.began.max()  # the last arrival: every worker that finished this round began its next one then
+        if self.stops:
+            s = _stop(s, jnp.ones((law.num,), bool), now, t + 1, law.work_time(jax.random.fold_in(key, j), n_sync))
+        s = s._replace(clock=now)
+        return s, Round(shards, skips, now, s.busy, s.wasted)
+
+
+Rennala = _pytree_dataclass(Rennala, meta=("batch", "stops"))
+
+
+class MSync(_Cluster):
+    """m-Synchronous SGD's cluster (Begunov & Tyurin 2026, arXiv 2602.03802): every round, all M workers start at the
+    current weights; the first m gradients (one per worker) are averaged into one update, the other M - m
+    computations are stopped at that moment and discarded. ``MSync(Workers(M), m=M)`` is synchronous minibatch SGD
+    (``Plan(mode="sync")``), bit for bit: same draws, same minibatches, same mean.
+
+    The rule is reconstructed from the paper's summary (the paper's own code was not read): UNCONFIRMED in detail.
+
+    Args:
+      workers: the compute-time law (:class:`Workers`), or an int M.
+      m: 1 <= m <= M, the gradients per update (static).
+
+    Example:
+      >>> import asgd_jax
+      >>> asgd_jax.delays.MSync(asgd_jax.delays.Workers(8), m=3).round_size
+      3
+    """
+
+    workers: Any
+    m: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "workers", _check_workers(self.workers))
+        _check_int("m", self.m, 1)
+        if self.m > self.workers.num:
+            raise errors.ConfigError(f"m={self.m} is invalid: at most the {self.workers.num} workers (m <= M).")
+
+    num_slots = 1
+
+    @property
+    def round_size(self) -> int:
+        return self.m
+
+    def round(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        del t
+        times = self.workers.work_time(key, n_sync)  # SSGD's draw (Workers.sync_time), every worker from the round
+        if self.m == self.workers.num:
+            shards, took = jnp.arange(self.m, dtype=jnp.int32), times.max()
+            busy, wasted = times.sum(), jnp.zeros((), jnp.float32)
+        else:
+            first = jnp.argsort(times, stable=True)[: self.m]  # ties go to the lower id
+            shards, took = jnp.sort(first).astype(jnp.int32), times[first[-1]]
+            busy, wasted = times[first].sum() + (self.workers.num - self.m) * took, (self.workers.num - self.m) * took
+        now = (s.clock + took).astype(jnp.float32)
+        s = s._replace(clock=now, busy=s.busy + busy, wasted=s.wasted + wasted)
+        return s, Round(shards, jnp.zeros((self.m,), jnp.int32), now, s.busy, s.wasted)
+
+
+MSync = _pytree_dataclass(MSync, meta=("m",))
+
+
+def is_round_model(model: Any) -> bool:
+    """Whether every update of ``model`` is a round: the mean of ``round_size`` payloads computed at w_t."""
+    return hasattr(model, "round_size") and hasattr(model, "round")

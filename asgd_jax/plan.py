@@ -65,7 +65,8 @@ class Plan:
       num_updates: server updates (applied pushes) of the run; a learning-rate schedule counts these.
       batch_size: minibatch of every worker.
       mode: ``"async"`` (A-SGD; default) or ``"sync"`` (SSGD: every update averages the M workers' payloads,
-        computed at the same weights; needs ``Workers``).
+        computed at the same weights; needs ``Workers``). A round model (``delays.Rennala``, ``delays.MSync``: every
+        update averages the payloads its round uses) makes the mode ``"sync"``.
       n_sync: minibatches a worker computes between two exchanges (GPU A-SGD).
       push: what a worker pushes after its ``n_sync`` minibatches: ``"gradients"`` (local SGD steps at ``local_lr``,
         push the summed gradients), ``"delta"`` (local steps, push ``w_pulled - w_local``, which the rule treats like a
@@ -106,9 +107,12 @@ class Plan:
             delays_lib.is_delay_model(model),
             "delays",
             model,
-            "use a delay model (asgd_jax.delays.Workers, Trace, FixedDelay, RandomDelay) or an int M for Workers(M)",
+            "use a delay model (asgd_jax.delays: Workers, Trace, FixedDelay, RandomDelay, Ringmaster, Rennala, MSync) "
+            "or an int M for Workers(M)",
         )
         object.__setattr__(self, "delays", model)
+        if delays_lib.is_round_model(model):  # every update of a round model is a round (Rennala, MSync)
+            object.__setattr__(self, "mode", "sync")
         errors.positive_int("num_updates", self.num_updates, "--num-updates")
         errors.positive_int("batch_size", self.batch_size, "--batch-size")
         errors.choice("mode", self.mode, MODES, "--mode")
@@ -140,10 +144,16 @@ class Plan:
                 f"n_sync={self.n_sync} (--n-sync) with push={self.push!r} {what}: pass local_lr=<float> (--local-lr), "
                 "or use push='accumulate' (no local steps)."
             )
-        if self.mode == "sync" and not isinstance(self.delays, delays_lib.Workers):
+        rounds = delays_lib.is_round_model(self.delays)
+        if self.mode == "sync" and not (rounds or isinstance(self.delays, delays_lib.Workers)):
             raise errors.ConfigError(
                 f"mode='sync' (SSGD) needs delays=asgd_jax.delays.Workers(M), not {type(self.delays).__name__}: a "
                 "barrier round averages the M workers' gradients."
+            )
+        if rounds and (self.push != "gradients" or self.n_sync != 1):
+            raise errors.ConfigError(
+                f"{type(self.delays).__name__} rounds average gradients computed at w_t: use push='gradients' and "
+                f"n_sync=1 (not push={self.push!r}, n_sync={self.n_sync})."
             )
         if isinstance(self.delays, delays_lib.Trace) and len(self.delays) < self.num_updates:
             raise errors.ConfigError(
@@ -157,8 +167,8 @@ class Plan:
 
     @property
     def workers(self) -> int:
-        """The number of workers (the delay model's slots: M, or ``tau + 1`` round-robin slots for a fixed delay)."""
-        return self.delays.num_slots
+        """The number of workers: M, or ``tau + 1`` round-robin slots for a fixed delay."""
+        return getattr(self.delays, "num_workers", self.delays.num_slots)
 
     @property
     def chunk_length(self) -> int:

@@ -241,6 +241,8 @@ class _Schedule(NamedTuple):
     # An SSGD round's key, fold_in(model_key, t); None asynchronously: a pusher's key comes from the version it pulled,
     # which the server's own record says (server.snapshot_version), in the update.
     round_key: jax.Array | None
+    busy: jax.Array | None = None  # float32: the workers' compute time so far (the optimal-time models only)
+    wasted: jax.Array | None = None  # float32: of busy, the work that changed no weight
 
 
 def _keep(valid: jax.Array | None, i: jax.Array, new: Any, old: Any) -> Any:
@@ -271,10 +273,46 @@ def _async_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array
     schedule = _Schedule(
         push_slot=events.push_slot,
         pull_slot=events.pull_slot,
-        worker=events.push_slot,
+        worker=events.push_slot if events.worker is None else events.worker,
         time=events.time.astype(jnp.float32),
         indices=_batch_indices(c.data_words, c.ex, jnp.broadcast_to(events.shard[:, None], counters.shape), counters),
         round_key=None,
+        busy=events.busy,
+        wasted=events.wasted,
+    )
+    return schedule, delay_state, DataState(taken)
+
+
+def _round_schedule(c: _Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, valid: jax.Array | None = None):
+    """A round model's updates (:func:`asgd_jax.delays.is_round_model`): every round's K payloads, each on its
+    worker's next minibatch (a worker used twice in a round takes two in a row; the minibatches of gradients the
+    round ignored are skipped), the clock and the work done, as the model draws them."""
+    n_sync, size = c.ex.n_sync, c.delays.round_size
+    earlier = jnp.tril(jnp.ones((size, size), jnp.int32), -1)  # [j, i]: payload i is before payload j
+
+    def one(carry, xs):
+        t, k, i = xs
+        delay_state, r = c.delays.round(carry[0], t, k, n_sync)
+        periods = 1 + r.skips  # each payload's minibatch periods: the ignored ones before it, then its own
+        same = (r.shards[:, None] == r.shards[None, :]).astype(jnp.int32)
+        before = (same * earlier * periods[None, :]).sum(axis=1) + r.skips  # the periods its worker used before it
+        counters = (carry[1][r.shards] + before * n_sync)[:, None] + jnp.arange(n_sync, dtype=jnp.int32)[None, :]
+        taken = carry[1].at[r.shards].add(periods * n_sync)
+        return _keep(valid, i, (delay_state, taken), carry), (r, counters)
+
+    rows = jnp.arange(ts.shape[0], dtype=jnp.int32)
+    (delay_state, taken), (rounds, counters) = jax.lax.scan(one, (state.delay, state.data.taken), (ts, k_delays, rows))
+    shards = jnp.broadcast_to(rounds.shards[:, :, None], counters.shape)  # [length, K, n_sync]
+    zeros = jnp.zeros((ts.shape[0],), jnp.int32)
+    schedule = _Schedule(
+        push_slot=zeros,
+        pull_slot=zeros,
+        worker=zeros - 1,
+        time=rounds.time.astype(jnp.float32),
+        indices=_batch_indices(c.data_words, c.ex, shards, counters),
+        round_key=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(c.model_key, ts),
+        busy=rounds.busy,
+        wasted=rounds.wasted,
     )
     return schedule, delay_state, DataState(taken)
 
@@ -332,8 +370,9 @@ def _async_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
 
 
 def _sync_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
-    """An SSGD round: every worker's payload at w_t, their mean applied once (as worker 0)."""
-    ex, num = c.ex, c.delays.num_slots
+    """An SSGD round: every worker's payload at w_t, their mean applied once (as worker 0); or a round model's K
+    payloads at w_t."""
+    ex, num = c.ex, _round_size(c.delays)
     batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [M, n_sync, batch, ...]
     live = _live_slot(c.rule, c.delays, ex)
     if live:
@@ -352,6 +391,11 @@ def _sync_update(c: _Ctx, srv: server.ServerState, x: _Schedule):
     return srv, (losses.mean(), aux, staleness, num * ex.n_sync * ex.batch_size)
 
 
+def _round_size(delays: Any) -> int:
+    """Payloads per synchronous update: a round model's K, else every worker (SSGD)."""
+    return delays.round_size if delays_lib.is_round_model(delays) else delays.num_slots
+
+
 def _step(c: _Ctx, srv: server.ServerState, x: _Schedule):
     """One server update, as the chunk's schedule row ``x`` says."""
     update = _async_update if c.ex.mode == "async" else _sync_update
@@ -364,6 +408,8 @@ def _step(c: _Ctx, srv: server.ServerState, x: _Schedule):
         "epoch": (srv.version.astype(jnp.float32) * examples) / c.ex.num_examples,
         **{k: jnp.asarray(v, jnp.float32) for k, v in aux.items()},
     }
+    if x.busy is not None:
+        metrics.update(busy=x.busy.astype(jnp.float32), wasted=x.wasted.astype(jnp.float32))
     return srv, metrics
 
 
@@ -512,7 +558,13 @@ def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange,
         # rolled loop of its own); identical to folding t in step by step.
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)
         k_delays = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(delay_key, ts)
-        schedule_fn = _async_schedule if ex.mode == "async" else _sync_schedule
+        schedule_fn = (
+            _async_schedule
+            if ex.mode == "async"
+            else _round_schedule
+            if delays_lib.is_round_model(delays)
+            else _sync_schedule
+        )
         schedule, delay_state, data_state = schedule_fn(c, state, ts, k_delays, n)
         step = lambda s, x: _step(c, s, x)
         if n is None:

@@ -1,0 +1,218 @@
+"""The optimal-time methods (Ringmaster ASGD, Rennala SGD, m-Synchronous SGD, Koloskova's delay threshold) and the
+compute-time laws: against float64 NumPy event loops written from the papers, the papers' exact anchors, the memory
+a thousand workers need, and what compiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import optimal_time as ref
+from helpers.compiles import compilations
+from helpers.problems import NOISY, W1, lsq_loss, simulate_lsq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import asgd_jax
+from asgd_jax import delays
+
+TIMES = delays.sqrt_times(6)  # 2, 2.41, 2.73, 3, 3.24, 3.45: the papers' 1 + sqrt(i)
+LAW = delays.Workers.with_times(TIMES)
+SGD = asgd_jax.rules.get("sgd", 0.05)
+
+
+def _close(result, params, times):
+    np.testing.assert_allclose(np.asarray(result.params), params, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(result.metrics["time"], times, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stops", [False, True])
+@pytest.mark.parametrize("threshold", [1, 3])
+def test_ringmaster_is_the_papers_algorithm(threshold, stops):
+    result = simulate_lsq(SGD, delays.Ringmaster(LAW, threshold, stops=stops), num_updates=40)
+    params, out, taken = ref.ringmaster(TIMES, threshold, 0.05, 40, stops=stops)
+    np.testing.assert_array_equal(result.metrics["staleness"], out["staleness"])
+    np.testing.assert_array_equal(result.metrics["worker"], out["worker"])
+    assert result.metrics["staleness"].max() < threshold  # an ignored gradient never counts as an update
+    _close(result, params, out["time"])
+    np.testing.assert_allclose(result.metrics["busy"], out["busy"], rtol=1e-5)
+    np.testing.assert_allclose(result.metrics["wasted"], out["wasted"], rtol=1e-5, atol=1e-4)
+    # The minibatches: an ignored gradient used its worker's next one (a skip), a stopped computation did not.
+    skipped = np.asarray(result.state.delay.skips)
+    np.testing.assert_array_equal(np.asarray(result.state.data.taken) + skipped, taken)
+
+
+@pytest.mark.parametrize("stops", [False, True])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_rennala_is_the_papers_algorithm(batch, stops):
+    result = simulate_lsq(SGD, delays.Rennala(LAW, batch, stops=stops), num_updates=30)
+    params, out, taken = ref.rennala(TIMES, batch, 0.05, 30, stops=stops)
+    _close(result, params, out["time"])
+    np.testing.assert_array_equal(result.metrics["staleness"], 0)  # every used gradient is computed at x^k
+    np.testing.assert_allclose(result.metrics["busy"], out["busy"], rtol=1e-5)
+    np.testing.assert_allclose(result.metrics["wasted"], out["wasted"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(result.state.data.taken + result.state.delay.skips), taken)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_m_synchronous_is_the_papers_algorithm(m):
+    result = simulate_lsq(SGD, delays.MSync(LAW, m), num_updates=25)
+    params, out, taken = ref.m_synchronous(TIMES, m, 0.05, 25)
+    _close(result, params, out["time"])
+    np.testing.assert_array_equal(np.asarray(result.state.data.taken), taken)
+    wasted = (len(TIMES) - m) * TIMES[m - 1] * np.arange(1, 26)  # the M - m stopped, every round
+    np.testing.assert_allclose(result.metrics["wasted"], wasted, rtol=1e-5)
+
+
+def test_m_synchronous_with_every_worker_is_ssgd_bit_for_bit():
+    law = delays.Workers(5, compute_time="lognormal", straggler_prob=0.2)
+    a = simulate_lsq(SGD, delays.MSync(law, 5), num_updates=30, key=4)
+    b = simulate_lsq(SGD, law, num_updates=30, key=4, mode="sync")
+    np.testing.assert_array_equal(np.asarray(a.params), np.asarray(b.params))
+    for name in ("loss", "time", "staleness", "epoch", "worker"):
+        np.testing.assert_array_equal(a.metrics[name], b.metrics[name])
+    np.testing.assert_array_equal(np.asarray(a.state.data.taken), np.asarray(b.state.data.taken))
+
+
+@pytest.mark.parametrize("batch", [1, 5, 13])
+def test_a_rennala_round_with_stops_takes_exactly_t_s(batch):
+    """Tyurin & Richtárik: with fixed times and restarts, one step takes T_S = min{t : sum_i floor(t/tau_i) >= S}."""
+    result = simulate_lsq(SGD, delays.Rennala(LAW, batch, stops=True), num_updates=12)
+    t_s = ref.rennala_round_time(TIMES, batch)
+    np.testing.assert_allclose(np.diff(result.metrics["time"], prepend=0.0), t_s, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "threshold"), [(16, 2), (64, 4), (64, 16)])
+def test_ringmaster_with_stops_keeps_lemma_4_1(m, threshold):
+    """Any R consecutive updates of Ringmaster with stops finish within 2 min_m H_m (1 + R/m) (fixed times)."""
+    times = delays.sqrt_times(m)
+    model = delays.Ringmaster(delays.Workers.with_times(times), threshold, stops=True)
+    result = simulate_lsq(SGD, model, num_updates=400, batch_size=1)
+    clock = np.concatenate([[0.0], result.metrics["time"]])
+    span = clock[threshold:] - clock[:-threshold]
+    assert span.max() <= ref.ringmaster_bound(times, threshold) * (1 + 1e-6)
+    assert result.metrics["staleness"].max() < threshold
+
+
+def test_a_thousand_workers_keep_only_what_the_rule_needs():
+    """M = 1,000: Ringmaster keeps R weight versions, Rennala and m-Synchronous one; nothing per worker but times."""
+    law = delays.Workers.with_times(delays.sqrt_times(1000), noise=0.1)
+    data = jax.tree.map(lambda a: np.concatenate([a] * 21), NOISY)  # 2,016 examples: two per worker's shard
+    for model, copies in [(delays.Ringmaster(law, 6), 6), (delays.Rennala(law, 8), 1), (delays.MSync(law, 100), 1)]:
+        plan = asgd_jax.Plan(model, num_updates=50, batch_size=1)
+        result = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), data, plan, key=jax.random.key(0), progress=False)
+        assert result.state.server.backup_params.shape == (copies, W1.size)
+        assert np.isfinite(np.asarray(result.params)).all()
+        assert result.metrics["busy"][-1] > result.metrics["time"][-1]  # many workers' work, wasted included
+
+
+def test_the_cluster_numbers_and_the_learning_rate_are_arguments():
+    """Other times, noise, learning rate or seed run in the same programs; R (the ring's size) is structure."""
+    models = [delays.Workers.with_times(TIMES * f, noise=n) for f, n in [(1.0, 0.1), (2.0, 0.3)]]
+    simulate_lsq(SGD, delays.Ringmaster(models[0], 3), num_updates=20)
+    with compilations() as compiled:
+        simulate_lsq(asgd_jax.rules.get("sgd", 0.2), delays.Ringmaster(models[1], 3), num_updates=20, key=5)
+    assert not [n for n in compiled if "simulator" in n]
+    with compilations() as compiled:
+        simulate_lsq(SGD, delays.Ringmaster(models[1], 4), num_updates=20)
+    assert [n for n in compiled if "simulator_chunk" in n or "simulator_tail" in n]
+
+
+def test_koloskova_step_is_theorem_8():
+    """eta for tau <= M, else min(eta, c / tau); c = 0 drops the gradient (a zero update)."""
+    rule = asgd_jax.rules.get("delay_threshold", 0.1, num_workers=4, max_step=0.5)
+    state = rule.init(jnp.zeros(2))
+    g = jnp.array([1.0, -2.0])
+    for tau, step in [(0, 0.1), (4, 0.1), (5, 0.1), (6, 0.5 / 6), (50, 0.01)]:
+        np.testing.assert_allclose(rule.update(g, state, staleness=tau)[0], -step * np.asarray(g), rtol=1e-6)
+    drop = asgd_jax.rules.get("delay_threshold", 0.1, num_workers=4)
+    np.testing.assert_array_equal(drop.update(g, drop.init(g), staleness=5)[0], 0.0)
+
+
+def test_pareto_and_noise_laws_have_their_means():
+    key = jax.random.key(0)
+    pareto = delays.Workers(4, compute_time="pareto", alpha=3.0, mean_compute_time=2.0).draw(key, (100_000,))
+    assert abs(float(pareto.mean()) - 2.0) < 0.05 and float(pareto.min()) >= 2.0 * 2 / 3 * (1 - 1e-6)
+    noisy = delays.Workers.with_times([1.0, 3.0], noise=[0.0, 0.5]).draw(key, (100_000,))
+    np.testing.assert_allclose(noisy[:, 0], 1.0, rtol=1e-6)
+    assert abs(float(noisy[:, 1].mean()) - (3.0 + 0.5 * np.sqrt(2 / np.pi))) < 0.01
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    value=st.one_of(
+        st.integers(-3, 0),
+        st.floats(max_value=-1e-3),
+        st.sampled_from([float("nan"), float("inf")]),
+        st.text(max_size=2),
+        st.none(),
+        st.booleans(),
+    ),
+    which=st.sampled_from(["threshold", "batch", "m", "times", "noise", "alpha"]),
+)
+def test_bad_cluster_arguments_are_config_errors(value, which):
+    """Every refused argument is a ConfigError that names it, before anything is drawn or compiled."""
+    make = {
+        "threshold": lambda v: delays.Ringmaster(LAW, v),
+        "batch": lambda v: delays.Rennala(LAW, v),
+        "m": lambda v: delays.MSync(LAW, v),
+        "times": lambda v: delays.Workers.with_times(v),
+        "noise": lambda v: delays.Workers(3, noise=v),
+        "alpha": lambda v: delays.Workers(3, compute_time="pareto", alpha=v),
+    }[which]
+    if which in ("noise",) and isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+        return  # no noise is allowed
+    with compilations() as compiled, pytest.raises(asgd_jax.ConfigError, match=which):
+        make(value)
+    assert not compiled
+
+
+def test_m_above_the_workers_and_a_round_model_with_local_steps_are_refused():
+    with pytest.raises(asgd_jax.ConfigError, match="m <= M"):
+        delays.MSync(LAW, 7)
+    with pytest.raises(asgd_jax.ConfigError, match="n_sync=1"):
+        asgd_jax.Plan(delays.Rennala(LAW, 2), n_sync=2, push="accumulate")
+    with pytest.raises(asgd_jax.ConfigError, match="Workers"):
+        asgd_jax.TrainConfig(asgd_jax.Plan(delays.Ringmaster(LAW, 2)))
+
+
+@pytest.mark.parametrize(
+    "model", [delays.Ringmaster(LAW, 2, stops=True), delays.Rennala(LAW, 3)], ids=["ringmaster", "rennala"]
+)
+def test_a_killed_run_with_stops_resumes_to_the_same_bits(tmp_path, model):
+    """The cluster's state (times, versions, pending skips, busy time) is in the checkpoint like any delay state."""
+    common = dict(num_updates=40, eval_fn=lambda w, _: {"loss": lsq_loss(w, NOISY)}, eval_every=10)
+    full = simulate_lsq(SGD, model, **common)
+
+    def crash(done, state):
+        if done == 20:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate_lsq(SGD, model, checkpoint_dir=tmp_path, callback=crash, **common)
+    resumed = simulate_lsq(SGD, model, checkpoint_dir=tmp_path, **common)
+    np.testing.assert_array_equal(np.asarray(resumed.params), np.asarray(full.params))
+    for name in full.metrics:
+        np.testing.assert_array_equal(resumed.metrics[name], full.metrics[name], err_msg=name)
+
+
+def test_a_sweep_of_a_cluster_is_its_runs_alone():
+    model = delays.Ringmaster(delays.Workers.with_times(TIMES, noise=0.2), 3)
+    plan = asgd_jax.Plan(model, num_updates=30, batch_size=8)
+    keys, hp = asgd_jax.grid(seeds=[0, 1], learning_rate=[0.02, 0.05])
+    rule = asgd_jax.rules.get("sgd", 0.05)
+    swept = asgd_jax.sweep(lsq_loss, rule, jnp.asarray(W1), NOISY, plan, keys=keys, hparams=hp, progress=False)
+    for r in range(4):
+        alone = asgd_jax.simulate(
+            lsq_loss,
+            asgd_jax.rules.get("sgd", float(hp["learning_rate"][r])),
+            jnp.asarray(W1),
+            NOISY,
+            plan,
+            key=keys[r],
+            progress=False,
+        )
+        np.testing.assert_array_equal(swept.metrics["worker"][r], alone.metrics["worker"])
+        np.testing.assert_array_equal(swept.metrics["time"][r], alone.metrics["time"])
+        np.testing.assert_allclose(swept.params[r], alone.params, rtol=1e-5, atol=1e-6)
