@@ -35,7 +35,7 @@ Defaults = argparse.ArgumentDefaultsHelpFormatter
 
 
 def _add_ablate(sub) -> None:
-    from asgd_jax.studies import ALGORITHMS
+    from asgd_jax.experiments._dcasgd import ALGORITHMS
 
     p = sub.add_parser(
         "ablate",
@@ -442,7 +442,7 @@ def train_rule(args: argparse.Namespace, setup: Any, plan: Any, num_examples: in
     )
     if "num_workers" in rules.required(args.rule):
         hp["num_workers"] = plan.workers
-    per_update = plan.batch_size * plan.n_sync * (plan.workers if plan.mode == "sync" else 1)
+    per_update = plan.batch_size * plan.n_sync * plan.payloads
     per_epoch = (num_examples or per_update) / per_update
     hp.pop("momentum")  # the setup's (the same flag)
     return setup.rule(args.rule, setup.learning_rate_schedule(plan.num_updates, per_epoch), **hp)
@@ -598,9 +598,14 @@ def _run_study(args: argparse.Namespace) -> int:
             settings, epochs=errors.finite_number("epochs", args.epochs, positive=True, flag="--epochs")
         )
     print(f"asgd-jax run {study.name} ({'quick' if args.quick else 'full'} form): {study.title}", flush=True)
+    what = "its own problem" if study.problem is not None else f"{settings.dataset}/{settings.model}"
+    budget = (
+        f"a virtual-time budget of {settings.time_budget:g}"
+        if settings.time_budget is not None
+        else f"{settings.epochs:g} epochs"
+    )
     print(
-        f"{settings.dataset}/{settings.model}, {len(settings.seeds)} seed(s), {settings.epochs:g} epochs, "
-        f"{len(study.arms(settings, args.quick))} compiled programs -> {out}",
+        f"{what}, {len(settings.seeds)} seed(s), {budget}, {len(study.arms(settings, args.quick))} arms -> {out}",
         flush=True,
     )
     if args.tensorboard:

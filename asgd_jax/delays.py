@@ -567,26 +567,28 @@ def _fresh(workers: Workers, key: jax.Array, n_sync: int) -> ClusterState:
     return ClusterState(workers.work_time(key, n_sync), zero_f, zero_i, zero_i, scalar, scalar, scalar)
 
 
-def _restart(s: ClusterState, w: jax.Array, now: jax.Array, version: jax.Array, work: jax.Array, used: bool, ignored):
-    """Worker ``w``'s computation ends at ``now`` (its gradient ``used`` or ``ignored``), and it begins the next one,
-    at ``version``'s weights, taking ``work``."""
+def _restart(s: ClusterState, w: jax.Array, now: jax.Array, version: jax.Array, work: jax.Array, ignored: Any):
+    """Worker ``w``'s computation ends at ``now`` (its gradient used, or ``ignored``: a traced or Python bool), and it
+    begins the next one, at ``version``'s weights, taking ``work``. Only worker ``w``'s entries change (O(1) in a
+    loop over arrivals)."""
     spent = now - s.began[w]
     return s._replace(
         finish=s.finish.at[w].set(now + work),
         began=s.began.at[w].set(now),
         start=s.start.at[w].set(version),
-        skips=s.skips.at[w].set(0) if used else s.skips.at[w].add(jnp.asarray(ignored, jnp.int32)),
+        skips=s.skips.at[w].set(jnp.where(ignored, s.skips[w] + 1, 0)),
         busy=s.busy + spent,
-        wasted=s.wasted + jnp.where(ignored, spent, 0.0) if not used else s.wasted,
+        wasted=s.wasted + jnp.where(ignored, spent, 0.0),
     )
 
 
-def _stop(s: ClusterState, which: jax.Array, now: jax.Array, version: jax.Array, work: jax.Array) -> ClusterState:
-    """Stops the computations ``which`` (bool ``[M]``) at ``now``: their work is wasted, they begin again at
-    ``version``'s weights (no minibatch used: the worker restarts on the same one)."""
+def _stop(s: ClusterState, which: jax.Array, now: jax.Array, version: jax.Array) -> ClusterState:
+    """Stops the computations ``which`` (bool ``[M]``) at ``now``: their work is wasted, and they begin again at
+    ``version``'s weights on the same minibatch (none is used up), which takes as long as it would have: no new draw,
+    so a stop costs O(M) arithmetic and no random numbers."""
     spent = jnp.where(which, now - s.began, 0.0).sum()
     return s._replace(
-        finish=jnp.where(which, now + work, s.finish),
+        finish=jnp.where(which, now + (s.finish - s.began), s.finish),
         began=jnp.where(which, now, s.began),
         start=jnp.where(which, version, s.start),
         busy=s.busy + spent,
@@ -674,17 +676,14 @@ class Ringmaster(_Cluster):
                 s, j = c
                 w, now = arrival(s)
                 work = law.work_time(jax.random.fold_in(key, j), n_sync, w)
-                return _restart(s, w, now, t, work, used=False, ignored=True), j + 1
+                return _restart(s, w, now, t, work, ignored=True), j + 1
 
-            s, j = jax.lax.while_loop(ignored, ignore, (s, jnp.ones((), jnp.int32)))
-        else:
-            j = jnp.ones((), jnp.int32)
+            s, _ = jax.lax.while_loop(ignored, ignore, (s, jnp.ones((), jnp.int32)))
         w, now = arrival(s)
         push_slot, skip = s.start[w] % r, s.skips[w]
-        s = _restart(s, w, now, t + 1, law.work_time(key, n_sync, w), used=True, ignored=False)
+        s = _restart(s, w, now, t + 1, law.work_time(key, n_sync, w), ignored=False)
         if self.stops:
-            stale = (t + 1 - s.start) >= r
-            s = _stop(s, stale, now, t + 1, law.work_time(jax.random.fold_in(key, j), n_sync))
+            s = _stop(s, (t + 1 - s.start) >= r, now, t + 1)
         s = s._replace(clock=now)
         event = Event(push_slot, (t + 1) % r, w, now, skip, w, s.busy, s.wasted)
         return s, event
@@ -741,19 +740,18 @@ class Rennala(_Cluster):
             s, count, shards, skips, j = c
             w = jnp.argmin(s.finish).astype(jnp.int32)
             now, fresh = s.finish[w], s.start[w] == t
-            shards = jnp.where(fresh, shards.at[count].set(w), shards)
-            skips = jnp.where(fresh, skips.at[count].set(s.skips[w]), skips)
+            slot = jnp.minimum(count, size - 1)
+            shards = shards.at[slot].set(jnp.where(fresh, w, shards[slot]))
+            skips = skips.at[slot].set(jnp.where(fresh, s.skips[w], skips[slot]))
             work = law.work_time(jax.random.fold_in(key, j), n_sync, w)
-            used = _restart(s, w, now, t, work, used=True, ignored=False)
-            ignored = _restart(s, w, now, t, work, used=False, ignored=True)
-            s = jax.tree.map(lambda a, b: jnp.where(fresh, a, b), used, ignored)
+            s = _restart(s, w, now, t, work, ignored=~fresh)
             return s, count + fresh.astype(jnp.int32), shards, skips, j + 1
 
         zero = jnp.zeros((), jnp.int32)
-        s, _, shards, skips, j = jax.lax.while_loop(collecting, arrive, (s, zero, shards, shards, zero))
+        s, _, shards, skips, _ = jax.lax.while_loop(collecting, arrive, (s, zero, shards, shards, zero))
         now = s.began.max()  # the last arrival: every worker that finished this round began its next one then
         if self.stops:
-            s = _stop(s, jnp.ones((law.num,), bool), now, t + 1, law.work_time(jax.random.fold_in(key, j), n_sync))
+            s = _stop(s, jnp.ones((law.num,), bool), now, t + 1)
         s = s._replace(clock=now)
         return s, Round(shards, skips, now, s.busy, s.wasted)
 

@@ -80,6 +80,9 @@ class Plan:
         default a tenth of the run).
       chunk: updates per compiled chunk of the simulator (its progress, evaluation and checkpoint unit); default
         ``eval_every``, else :data:`DEFAULT_CHUNK`. ``eval_every`` must be a multiple of it.
+      time_budget: a virtual-time budget (simulator): the run ends at the first evaluation (the first chunk end,
+        without an ``eval_fn``) where every run's clock has reached it, before ``num_updates`` if it comes first; its
+        metrics hold the updates done. A number, not structure.
 
     Example:
       >>> import asgd_jax
@@ -98,6 +101,7 @@ class Plan:
     eval_every: int | None = None
     checkpoint_every: int | None = None
     chunk: int | None = None
+    time_budget: float | None = None
 
     def __post_init__(self):
         model = delays_lib.Workers(8) if self.delays is None else self.delays
@@ -121,6 +125,10 @@ class Plan:
         for name in ("eval_every", "checkpoint_every", "chunk"):
             if getattr(self, name) is not None:
                 errors.positive_int(name, getattr(self, name), "--" + name.replace("_", "-"))
+        if self.time_budget is not None:
+            object.__setattr__(
+                self, "time_budget", errors.finite_number("time_budget", self.time_budget, positive=True)
+            )
         if self.local_lr is not None:
             object.__setattr__(
                 self, "local_lr", errors.finite_number("local_lr", self.local_lr, positive=True, flag="--local-lr")
@@ -169,6 +177,13 @@ class Plan:
     def workers(self) -> int:
         """The number of workers: M, or ``tau + 1`` round-robin slots for a fixed delay."""
         return getattr(self.delays, "num_workers", self.delays.num_slots)
+
+    @property
+    def payloads(self) -> int:
+        """Payloads one update averages: a round model's K, every worker for SSGD, one asynchronously."""
+        if delays_lib.is_round_model(self.delays):
+            return self.delays.round_size
+        return self.workers if self.mode == "sync" else 1
 
     @property
     def chunk_length(self) -> int:

@@ -266,7 +266,8 @@ def dc_asgd(
       learning_rate: a float or an optax schedule over server updates (paper CIFAR-10: 0.5, divided by 10 at epochs
         80 and 120).
       lam: :math:`\lambda_0` (paper: 0.04 for DC-ASGD-c, 2 for DC-ASGD-a).
-      adaptive: ``True`` for DC-ASGD-a.
+      adaptive: ``True`` for DC-ASGD-a; a (traced) boolean, or a number (above 0.5: -a), so that a study's variants
+        of -c and -a share one program.
       mean_square_decay: ``m`` of DC-ASGD-a's ``MeanSquare``.
       eps: :math:`\epsilon` of DC-ASGD-a.
       num_workers: keep ``MeanSquare`` per worker (see :func:`scale_by_delay_compensation`).
@@ -287,6 +288,11 @@ def dc_asgd(
     References:
       Zheng et al., "Asynchronous Stochastic Gradient Descent with Delay Compensation", ICML 2017, Eq. 10.
     """
+    if not isinstance(adaptive, bool):  # a 0/1 number (a study's traced hp) is a flag, as a boolean array is
+        if isinstance(adaptive, int | float):
+            adaptive = adaptive > 0.5
+        elif jnp.asarray(adaptive).dtype != jnp.bool_:
+            adaptive = jnp.asarray(adaptive) > 0.5
     return optax.chain(
         scale_by_delay_compensation(
             lam,

@@ -181,6 +181,12 @@ class TrainConfig:
             "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn)",
             "--workers",
         )
+        errors.require(
+            plan.time_budget is None,
+            "plan.time_budget",
+            plan.time_budget,
+            "a virtual-time budget is the simulator's: the trainer's wall-clock budget is timeout= (--timeout)",
+        )
         errors.int_at_least("devices_per_worker", self.devices_per_worker, 1, flag("devices_per_worker"))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))

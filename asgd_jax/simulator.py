@@ -909,7 +909,7 @@ def _chunks(program: _Program, call: _Call) -> SimulationResult:
     chunk, every = plan.chunk_length, plan.eval_interval()
     warned = [False]
     try:
-        while so_far.done < plan.num_updates:
+        while so_far.done < plan.num_updates and not _past_budget(plan, state, so_far, program.evaluates):
             interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             length = min(chunk, plan.num_updates - so_far.done)
             end = so_far.done + length
@@ -926,7 +926,8 @@ def _chunks(program: _Program, call: _Call) -> SimulationResult:
                 so_far.eval_updates.append(end)
             so_far.done = end
             _check_finite(metrics, end, call.on_nonfinite, warned)
-            if path is not None and (end - so_far.saved >= (plan.checkpoint_every or 1) or end == plan.num_updates):
+            last = end == plan.num_updates or _past_budget(plan, state, so_far, program.evaluates)
+            if path is not None and (end - so_far.saved >= (plan.checkpoint_every or 1) or last):
                 _save(path, state, so_far, header, axis)
             if bar is not None:
                 bar.update(length)
@@ -942,6 +943,13 @@ def _chunks(program: _Program, call: _Call) -> SimulationResult:
         state, metrics = jax.tree.map(keep, jax.device_get(state)), {k: keep(v) for k, v in metrics.items()}
     params, model_state = state.server.params, state.server.model_state
     return SimulationResult(params, model_state, state, metrics, plan)
+
+
+def _past_budget(plan: Plan, state: SimState, so_far: _Progress, evaluates: bool) -> bool:
+    """Whether a run with a ``time_budget`` is over: every run's clock has reached it, at an evaluation."""
+    if plan.time_budget is None or so_far.done == 0 or (evaluates and so_far.eval_updates[-1] != so_far.done):
+        return False
+    return bool(np.min(jax.device_get(state.clock)) >= plan.time_budget)
 
 
 def _save(path: str, state: SimState, so_far: _Progress, header: dict[str, Any], axis: int) -> None:

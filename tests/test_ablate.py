@@ -112,8 +112,10 @@ def test_format_table_lays_out_mean_and_std():
     ],
 )
 def test_bad_config_raises(overrides, match):
+    """DC-ASGD's settings (the ablation's): the study's own numbers and every generic one."""
+    dc_settings = type(studies.load("dcasgd_table1").form("ablate"))
     with pytest.raises(ValueError, match=match):
-        studies.Settings(**overrides)
+        dc_settings(**overrides)
 
 
 def test_cli_help_lists_the_commands(capsys):

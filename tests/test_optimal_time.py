@@ -4,6 +4,8 @@ a thousand workers need, and what compiles."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asgd_jax
-from asgd_jax import delays
+from asgd_jax import delays, studies
 
 TIMES = delays.sqrt_times(6)  # 2, 2.41, 2.73, 3, 3.24, 3.45: the papers' 1 + sqrt(i)
 LAW = delays.Workers.with_times(TIMES)
@@ -175,6 +177,8 @@ def test_m_above_the_workers_and_a_round_model_with_local_steps_are_refused():
         asgd_jax.Plan(delays.Rennala(LAW, 2), n_sync=2, push="accumulate")
     with pytest.raises(asgd_jax.ConfigError, match="Workers"):
         asgd_jax.TrainConfig(asgd_jax.Plan(delays.Ringmaster(LAW, 2)))
+    with pytest.raises(asgd_jax.ConfigError, match="timeout"):  # virtual time is the simulator's
+        asgd_jax.TrainConfig(asgd_jax.Plan(4, time_budget=10.0))
 
 
 @pytest.mark.parametrize(
@@ -216,3 +220,76 @@ def test_a_sweep_of_a_cluster_is_its_runs_alone():
         np.testing.assert_array_equal(swept.metrics["worker"][r], alone.metrics["worker"])
         np.testing.assert_array_equal(swept.metrics["time"][r], alone.metrics["time"])
         np.testing.assert_allclose(swept.params[r], alone.params, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The optimal_time study: its own problem, a virtual-time budget, picks by time to target, the theory's curve.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_time_to_target_counts_only_a_crossing_within_the_budget():
+    times, errors = np.array([1.0, 2.0, 3.0]), np.array([0.9, 0.6, 0.4])
+    assert studies.time_to_target(times, errors, 0.5) == 3.0
+    assert np.isnan(studies.time_to_target(times, errors, 0.5, budget=2.5))
+
+
+@pytest.fixture(scope="module")
+def optimal_time_run():
+    study = studies.load("optimal_time")
+    settings = dataclasses.replace(study.quick, workers=(4,), seeds=(0,), time_budget=40.0, target_error=0.05)
+    return study, studies.run(study, settings=settings, progress=False)
+
+
+def test_the_optimal_time_study_gives_every_method_its_time_budget(optimal_time_run):
+    _, result = optimal_time_run
+    labels = {r["label"] for r in result.runs}
+    assert labels == {
+        "ASGD",
+        "Delay-adaptive (Mishchenko)",
+        "Delay-adaptive (Koloskova)",
+        "Ringmaster",
+        "Ringmaster (stops)",
+        "Rennala",
+        "Rennala (stops)",
+        "m-Synchronous",
+        "Minibatch SGD",
+    }
+    # Every run lasts the budget (no cluster applies more than sum_i 1/tau_i gradients per unit of time), and no time
+    # to target lies beyond it.
+    assert min(r["virtual_time"] for r in result.runs) >= result.settings.time_budget
+    reached = [r["time_to_target"] for r in result.runs if np.isfinite(r["time_to_target"])]
+    assert reached and max(reached) <= result.settings.time_budget
+
+
+def test_the_optimal_time_study_picks_by_time_to_target(optimal_time_run):
+    study, result = optimal_time_run
+    _, picks = studies.best_tuned(study, result.runs)
+    for (_, m, label), pick in picks.items():
+        cell = [r for r in result.runs if r["label"] == label and r["M"] == m]
+        best = min(cell, key=lambda r: r["time_to_target"] if np.isfinite(r["time_to_target"]) else np.inf)
+        if np.isfinite(best["time_to_target"]):
+            assert pick["lr"] == best["lr"] and all(pick.get(k) == best.get(k) for k in ("R", "S", "m"))
+
+
+def test_the_optimal_time_curve_is_the_harmonic_bound(optimal_time_run):
+    study, result = optimal_time_run
+    _, curve = study.reference(result.settings, [4, 16])
+    times = delays.sqrt_times(16)
+    s2_eps = 32 * 1.0**2 / result.settings.target_error
+    direct = min(m / np.sum(1 / times[:m]) * (1 + s2_eps / m) for m in range(1, 17))
+    np.testing.assert_allclose(curve[16], direct, rtol=1e-12)
+    assert curve[16] < curve[4]  # more workers, less time: the bound keeps falling
+
+
+def test_a_time_budget_ends_the_runs_at_the_first_evaluation_past_it(tmp_path):
+    """``Plan(time_budget=)``: the sweep ends at the first evaluation where every run's clock has reached it."""
+    eval_fn = lambda w, _: {"loss": lsq_loss(w, NOISY)}
+    plan = asgd_jax.Plan(delays.Workers.with_times(TIMES), num_updates=400, batch_size=8, eval_every=20)
+    budget = plan.replace(time_budget=30.0)
+    full = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, plan, eval_fn=eval_fn, progress=False)
+    cut = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, eval_fn=eval_fn, progress=False)
+    n = len(cut.metrics["time"])
+    assert n % 20 == 0 and cut.metrics["time"][-1] >= 30.0 > cut.metrics["time"][n - 21]
+    np.testing.assert_array_equal(cut.metrics["time"], full.metrics["time"][:n])  # the same run, cut
+    assert cut.metrics["eval_update"][-1] == n
+    assert budget.structure() == plan.structure()  # a number: the same programs

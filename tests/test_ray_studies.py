@@ -25,7 +25,7 @@ TINY = studies.Settings(dataset="digits", seeds=(0,), epochs=0.3, evals=2, windo
 
 def broken_arms(s, quick):
     arms = BASE.arms(s, quick)
-    bad = Arm({"M": 2, "mode": "broken"}, Plan(2), variants=(Variant("bad", rule="dc_asgd", lam=float("nan")),))
+    bad = Arm({"M": 2, "mode": "broken"}, Plan(2), variants=(Variant("bad", rule="dc_asgd", hp={"lam": float("nan")}),))
     return arms[:1] + [bad]
 
 

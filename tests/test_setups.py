@@ -36,7 +36,7 @@ def test_the_shipped_dcasgd_config_is_the_studies_cifar10_setup():
     assert _setup_fields(cli.setup_of(args)) == _setup_fields(studies.DCASGD_CIFAR10)
     # 160 effective epochs of a 128-example minibatch: the study's epochs, in updates.
     assert args.num_updates == round(studies.DCASGD_CIFAR10.epochs * CIFAR10_TRAIN / 128)
-    assert (args.rule, args.lam) == ("dc_asgd_a", studies.DCASGD_CIFAR10.lam_a)
+    assert (args.rule, args.lam) == ("dc_asgd_a", studies.load("dcasgd_table1").full.lam_a)
 
 
 def test_the_shipped_gpu_asgd_config_is_the_nsync_studys_full_form():
@@ -92,7 +92,9 @@ def test_the_trainers_rule_is_the_study_arms_rule_update_by_update(flags):
     plan = Plan(4, num_updates=num_updates, batch_size=32)
     trainer_rule = cli.train_rule(args, setup, plan, num_examples)
     settings = studies.Settings(**{**setups.Setup.setup_fields(setup)})
-    arm = studies.Arm({"M": 4}, plan, variants=(studies.Variant("DC-ASGD-a", lam=2.0, adaptive=True),))
+    arm = studies.Arm(
+        {"M": 4}, plan, variants=(studies.Variant("DC-ASGD-a", rule="dc_asgd", hp={"lam": 2.0, "adaptive": 1.0}),)
+    )
     arm_rule = studies.arm_rule(arm, settings, num_updates, num_examples / 32)({"lam": 2.0, "adaptive": 1.0})
     for a, b in zip(_drive(trainer_rule, num_updates), _drive(arm_rule, num_updates), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)

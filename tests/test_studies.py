@@ -23,6 +23,7 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
         "dcasgd_table1",
         "gpu_asgd_nsync",
         "heterogeneous_workers",
+        "optimal_time",
         "speedup_model",
         "staleness_curve",
         "staleness_leaderboard",
@@ -33,7 +34,7 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
     assert gpu == {(c, n, s) for c in (1, 2, 4, 8, 16, 32) for n in (1, 10, 100, 300, 900) for s in ("cold", "warm")}
     assert all(a.warm == (a.coords["start"] == "warm") for a in arms["gpu_asgd_nsync"])
     (sweep_arm,) = arms["dcasgd_lambda_sweep"]  # one compiled program
-    assert sorted(v.lam for v in sweep_arm.variants if v.adaptive) == [0.0, 0.5, 1.0, 2.0, 4.0]
+    assert sorted(v.hp["lam"] for v in sweep_arm.variants if v.hp["adaptive"]) == [0.0, 0.5, 1.0, 2.0, 4.0]
     table1 = {(a.coords["M"], v.label, a.plan.mode) for a in arms["dcasgd_table1"] for v in a.variants}
     assert table1 == {(1, "SGD", "async")} | {
         (m, label, "async") for m in (4, 8) for label in ("ASGD", "DC-ASGD-c", "DC-ASGD-a")

@@ -81,8 +81,10 @@ def test_without_the_extra_tensorboard_is_refused_with_the_install_command(tmp_p
 
 
 def test_a_study_hands_each_arm_to_its_callback_and_saves_its_curves_as_events(tmp_path):
-    tiny = studies.Settings(dataset="digits", seeds=(0,), epochs=0.5, evals=2, window=10, workers=(1, 2))
     study = studies.load("dcasgd_table1")
+    tiny = dataclasses.replace(
+        study.quick, dataset="digits", seeds=(0,), epochs=0.5, evals=2, window=10, workers=(1, 2)
+    )
     finished = []
     result = studies.run(
         study,

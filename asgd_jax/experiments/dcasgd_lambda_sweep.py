@@ -7,25 +7,27 @@ Expected:  lambda = 0 is ASGD; a moderate lambda (the paper: 0.5-2 for -a) helps
            and hurts, too small makes the correction vanish.
 """
 
+from asgd_jax.experiments._dcasgd import DCSettings, options, variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Study
 
 LAMBDA_A = (0.0, 0.5, 1.0, 2.0, 4.0)
 LAMBDA_C = (0.0, 0.01, 0.04, 0.1, 0.4)
 
 
-def arms(s: Settings, quick: bool) -> list[Arm]:
-    variants = tuple(Variant("DC-ASGD-a", lam=x, adaptive=True, coords={"lambda": x}) for x in LAMBDA_A)
-    variants += tuple(Variant("DC-ASGD-c", lam=x, coords={"lambda": x}) for x in LAMBDA_C)
-    return [Arm({"M": 8}, Plan(s.cluster(8)), variants=variants)]
+def arms(s: DCSettings, quick: bool) -> list[Arm]:
+    s = DCSettings.of(s)  # a plain Settings gets DC-ASGD's numbers at the paper's values
+    variants = tuple(variant("DC-ASGD-a", lam=x, adaptive=True, coords={"lambda": x}) for x in LAMBDA_A)
+    variants += tuple(variant("DC-ASGD-c", lam=x, coords={"lambda": x}) for x in LAMBDA_C)
+    return [Arm({"M": 8}, Plan(s.cluster(8)), variants=variants, rule_options=options(s))]
 
 
 STUDY = Study(
     name="dcasgd_lambda_sweep",
     title="DC-ASGD: final test error vs lambda_0 at M = 8",
     reproduces=__doc__,
-    quick=Settings(seeds=(0, 1, 2), epochs=15.0),
-    full=DCASGD_CIFAR10,
+    quick=DCSettings(seeds=(0, 1, 2), epochs=15.0),
+    full=DCSettings.of(DCASGD_CIFAR10),
     arms=arms,
     rows="lambda",
     columns="label",

@@ -9,44 +9,46 @@ Expected:  staleness costs ASGD accuracy as M grows; DC-ASGD-a recovers most of 
            at M = 8, sequential SGD 8.65%); SSGD pays for its M-times-larger effective batch at a fixed epoch budget.
 """
 
+from asgd_jax.experiments._dcasgd import ALGORITHMS, DCSettings, options, variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import ALGORITHMS, DCASGD_CIFAR10, Arm, Settings, Study, Variant
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Study, Variant
 
 
-def _variant(name: str, s: Settings) -> Variant:
+def _variant(name: str, s: DCSettings) -> Variant:
     label = ALGORITHMS[name]
     if name == "dc_asgd_c":
-        return Variant(label, lam=s.lam_c)
+        return variant(label, lam=s.lam_c)
     if name == "dc_asgd_a":
-        return Variant(label, lam=s.lam_a, adaptive=True)
-    return Variant(label)  # SGD, ASGD and SSGD: lambda 0
+        return variant(label, lam=s.lam_a, adaptive=True)
+    return variant(label)  # SGD, ASGD and SSGD: lambda 0
 
 
-def arms(s: Settings, quick: bool) -> list[Arm]:
+def arms(s: DCSettings, quick: bool) -> list[Arm]:
     """Per worker count: SGD alone at M = 1; otherwise one asynchronous arm (ASGD, DC-ASGD-c, -a) and SSGD."""
-    out = []
+    s = DCSettings.of(s)  # a plain Settings gets DC-ASGD's numbers at the paper's values
+    out, dc = [], options(s)
     for m in s.workers:
         if m == 1:
             if "sgd" in s.algorithms:
-                out.append(Arm({"M": 1}, Plan(s.cluster(1)), variants=(_variant("sgd", s),)))
+                out.append(Arm({"M": 1}, Plan(s.cluster(1)), variants=(_variant("sgd", s),), rule_options=dc))
             continue
         asynchronous = tuple(_variant(a, s) for a in ("asgd", "dc_asgd_c", "dc_asgd_a") if a in s.algorithms)
         if asynchronous:
-            out.append(Arm({"M": m}, Plan(s.cluster(m)), variants=asynchronous))
+            out.append(Arm({"M": m}, Plan(s.cluster(m)), variants=asynchronous, rule_options=dc))
         if "ssgd" in s.algorithms:
-            out.append(Arm({"M": m}, Plan(s.cluster(m), mode="sync"), variants=(_variant("ssgd", s),)))
+            out.append(Arm({"M": m}, Plan(s.cluster(m), mode="sync"), variants=(_variant("ssgd", s),), rule_options=dc))
     return out
 
 
-ABLATE = Settings(seeds=(0, 1, 2, 3, 4), epochs=40.0, evals=20, window=400)
+ABLATE = DCSettings(seeds=(0, 1, 2, 3, 4), epochs=40.0, evals=20, window=400)
 
 STUDY = Study(
     name="dcasgd_table1",
     title="DC-ASGD Table 1: final test error vs workers",
     reproduces=__doc__,
-    quick=Settings(seeds=(0, 1, 2), epochs=15.0, workers=(1, 4, 8)),
-    full=DCASGD_CIFAR10,
-    forms={"ablate": ABLATE, "ablate-quick": Settings(seeds=(0, 1, 2), epochs=15.0, evals=20, window=100)},
+    quick=DCSettings(seeds=(0, 1, 2), epochs=15.0, workers=(1, 4, 8)),
+    full=DCSettings.of(DCASGD_CIFAR10),
+    forms={"ablate": ABLATE, "ablate-quick": DCSettings(seeds=(0, 1, 2), epochs=15.0, evals=20, window=100)},
     arms=arms,
     rows="M",
     columns="label",

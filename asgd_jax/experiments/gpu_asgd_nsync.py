@@ -17,8 +17,9 @@ Expected:  staleness is M x n_sync minibatches, and past a point training destab
            start helps most where a cold start with many clients struggles early on.
 """
 
+from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study, Variant
+from asgd_jax.studies import Arm, Settings, Study
 
 COMM_TIME = 2.0
 
@@ -36,7 +37,7 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
                         Plan(s.cluster(m, comm_time=COMM_TIME), n_sync=n_sync, push="delta", local_lr=s.learning_rate),
                         server_lr=1.0,
                         warm=start == "warm",
-                        variants=(Variant("A-SGD"),),
+                        variants=(variant("A-SGD"),),
                         series=f"{start}, n_sync={n_sync}",
                     )
                 )

@@ -8,6 +8,7 @@ Expected:  a slow worker's pushes are very stale; ASGD suffers most from it, DC-
            damp it; SSGD's accuracy does not depend on speeds (only its wall-clock time does).
 """
 
+from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Variant
 
@@ -24,10 +25,10 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
     out = []
     for cluster, kwargs in CLUSTERS.items():
         c, plan = {"cluster": cluster}, Plan(s.cluster(M, **kwargs))
-        out.append(Arm(c, plan, variants=(Variant("ASGD"), Variant("DC-ASGD-a", lam=2.0, adaptive=True))))
+        out.append(Arm(c, plan, variants=(variant("ASGD"), variant("DC-ASGD-a", lam=2.0, adaptive=True))))
         out.append(Arm(c, plan, variants=(Variant("staleness-aware", rule="staleness_aware"),)))
         out.append(Arm(c, plan, variants=(Variant("delay-adaptive", rule="delay_adaptive"),)))
-        out.append(Arm(c, plan.replace(mode="sync"), variants=(Variant("SSGD"),)))
+        out.append(Arm(c, plan.replace(mode="sync"), variants=(variant("SSGD"),)))
     return out
 
 

@@ -9,8 +9,9 @@ Expected:  speed-up grows with clients but sub-linearly (staleness costs progres
            communication is expensive; SSGD waits for the slowest worker every step and falls behind ASGD.
 """
 
+from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study, Variant
+from asgd_jax.studies import Arm, Settings, Study
 
 COMM_TIME = 1.0
 STRAGGLERS = {"straggler_prob": 0.1, "straggler_slowdown": 10.0}
@@ -26,7 +27,7 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
                     {"clients": m, "n_sync": n_sync},
                     Plan(s.cluster(m, comm_time=COMM_TIME), n_sync=n_sync, push="delta", local_lr=s.learning_rate),
                     server_lr=1.0,
-                    variants=(Variant("ASGD"),),
+                    variants=(variant("ASGD"),),
                     series=f"ASGD, n_sync={n_sync}",
                 )
             )
@@ -36,7 +37,7 @@ def arms(s: Settings, quick: bool) -> list[Arm]:
                 Arm(
                     {"clients": m},
                     Plan(s.cluster(m, comm_time=COMM_TIME, **STRAGGLERS), mode=mode),
-                    variants=(Variant("SSGD" if mode == "sync" else "ASGD"),),
+                    variants=(variant("SSGD" if mode == "sync" else "ASGD"),),
                     series="{label}, stragglers",
                 )
             )

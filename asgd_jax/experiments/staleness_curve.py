@@ -8,10 +8,11 @@ Expected:  ASGD degrades as M (and the mean staleness, about M - 1) grows; DC-AS
 """
 
 from asgd_jax.delays import FixedDelay
+from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Variant
 
-DC = (Variant("ASGD"), Variant("DC-ASGD-a", lam=2.0, adaptive=True))
+DC = (variant("ASGD"), variant("DC-ASGD-a", lam=2.0, adaptive=True))
 
 
 def arms(s: Settings, quick: bool) -> list[Arm]:

@@ -19,6 +19,7 @@ Expected:  (quick form, measured) every rule falls behind sequential SGD (18% te
 
 import dataclasses
 
+from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
 from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
 
@@ -50,10 +51,10 @@ def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
     """Every rule's runs for one cell (M, cluster): the learning-rate (and lambda_0) grid in the variants. The
     asynchronous push rules share one program (the rule itself is traced); local SGD and SSGD exchange differently."""
     c = {"M": m, "cluster": cluster}
-    push = [Variant("ASGD", lr=lr) for lr in _lrs(s)]
-    push += [Variant("DC-ASGD-c", lam=lam, lr=lr, coords={"lambda": lam}) for lr in _lrs(s) for lam in LAM_C]
+    push = [variant("ASGD", lr=lr) for lr in _lrs(s)]
+    push += [variant("DC-ASGD-c", lam=lam, lr=lr, coords={"lambda": lam}) for lr in _lrs(s) for lam in LAM_C]
     push += [
-        Variant("DC-ASGD-a", lam=lam, adaptive=True, lr=lr, coords={"lambda": lam}) for lr in _lrs(s) for lam in LAM_A
+        variant("DC-ASGD-a", lam=lam, adaptive=True, lr=lr, coords={"lambda": lam}) for lr in _lrs(s) for lam in LAM_A
     ]
     for label, rule, scale in [
         ("staleness-aware", "staleness_aware", 1.0),
@@ -70,7 +71,7 @@ def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
     return [
         Arm(c, plan, variants=tuple(push)),
         Arm(c, local_sgd, variants=outer, rule_options={"buffer_size": m}),
-        Arm(c, plan.replace(mode="sync"), variants=tuple(Variant("SSGD", lr=lr) for lr in _lrs(s, 2.0))),
+        Arm(c, plan.replace(mode="sync"), variants=tuple(variant("SSGD", lr=lr) for lr in _lrs(s, 2.0))),
     ]
 
 

@@ -16,7 +16,7 @@ package; :func:`load` finds them by name, or loads a study file of your own by i
 Example:
   >>> import asgd_jax
   >>> from asgd_jax import studies
-  >>> v = studies.Variant("DC-ASGD-a", lam=2.0, adaptive=True)
+  >>> v = studies.Variant("DC-ASGD-a", rule="dc_asgd", hp={"lam": 2.0, "adaptive": 1.0})
   >>> arm = studies.Arm({"M": 8}, asgd_jax.Plan(8), variants=(v,))
   >>> arm.plan.workers, arm.label(v)
   (8, 'DC-ASGD-a')
@@ -25,10 +25,10 @@ Example:
 from __future__ import annotations
 
 from asgd_jax.studies.language import (
-    ALGORITHMS,
     DCASGD_CIFAR10,
     METRICS,
     Arm,
+    Problem,
     Settings,
     Study,
     Variant,
@@ -56,12 +56,12 @@ from asgd_jax.studies.runner import (
 )
 
 __all__ = [
-    "ALGORITHMS",
     "BACKENDS",
     "MAX_RETRIES",
     "METRICS",
     "DCASGD_CIFAR10",
     "Arm",
+    "Problem",
     "Settings",
     "Study",
     "StudyResult",

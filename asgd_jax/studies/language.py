@@ -24,15 +24,6 @@ METRICS = {
 }
 """What a study's table can show (:attr:`Study.metric`, :attr:`Study.also`)."""
 
-ALGORITHMS = {
-    "sgd": "SGD",
-    "asgd": "ASGD",
-    "ssgd": "SSGD",
-    "dc_asgd_c": "DC-ASGD-c",
-    "dc_asgd_a": "DC-ASGD-a",
-}
-"""The algorithms of DC-ASGD's Table 1 (``asgd-jax ablate --algorithms``) and their labels."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -40,19 +31,17 @@ class Variant:
 
     Attributes:
       label: the series name in tables and plots (``"DC-ASGD-a"``).
-      rule: a registered rule (:func:`asgd_jax.rules.get`); ``"dc_asgd"`` (the default) covers SGD, ASGD (lambda 0),
-        DC-ASGD-c and -a, so they share one compiled program.
-      lam: DC-ASGD's lambda_0.
-      adaptive: DC-ASGD-a (True) or -c.
+      rule: a registered rule (:func:`asgd_jax.rules.get`); default ``"sgd"``.
       lr: this variant's learning rate (default: the settings'), a traced number: an arm tunes it in one program.
-      hp: the rule's other numeric hyperparameters, traced per run (every variant of an arm names the same ones).
+      hp: the rule's other numeric hyperparameters, traced per run (the variants of one rule in an arm name the same
+        ones):
+        ``Variant("DC-ASGD-a", rule="dc_asgd", hp={"lam": 2.0, "adaptive": 1.0})`` and an ASGD with ``lam`` 0 share
+        one program.
       coords: extra coordinates for tables/plots (e.g. ``{"lambda": 2.0}``).
     """
 
     label: str
-    rule: str = "dc_asgd"
-    lam: float = 0.0
-    adaptive: bool = False
+    rule: str = "sgd"
     lr: float | None = None
     hp: Mapping[str, float] = dataclasses.field(default_factory=dict)
     coords: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -61,6 +50,9 @@ class Variant:
         errors.choice("rule", self.rule, rules.names())
         if self.lr is not None:
             errors.finite_number("lr", self.lr, positive=True)
+        takes = {*rules.defaults(self.rule), *rules.required(self.rule)}
+        unknown = sorted(set(self.hp) - takes)
+        errors.require(not unknown, "hp", dict(self.hp), f"rule {self.rule!r} takes {sorted(takes)}, not {unknown}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +65,15 @@ class Arm:
         or ``FixedDelay(tau)``) and exchange pattern (``mode``, ``n_sync``, ``push``, ``local_lr``); the runner sets
         its batch, budget and evaluation cadence from the study's settings.
       variants: the rules: any mix of registered rules runs as one program (:func:`asgd_jax.rules.one_of` picks each
-        run's), and ``"dc_asgd"`` variants (SGD, ASGD, DC-ASGD-c and -a) differ only in traced numbers.
+        run's); variants of one rule differ only in traced numbers.
       server_lr: the server's learning rate (default: the study's schedule; 1.0 with ``push="delta"`` adds the delta).
       warm: start from the study's warm-started weights.
       series: how the runs are named in plots (default: the variant's label).
       rule_options: static arguments of the rule (``buffer_size`` of Delayed Nesterov, DANA's ``lam``, ...).
       for_every: the arm's runs stand in every cell of these coordinates, run once (a reference such as sequential
         SGD in every ``{"M": (4, 16, 32)}`` column).
+      num_updates: the arm's budget in updates (rounded up to whole evaluation intervals); default: the settings'
+        ``epochs``. A study with a virtual-time budget gives each arm enough updates to reach it.
     """
 
     coords: Mapping[str, Any]
@@ -90,16 +84,22 @@ class Arm:
     series: str | None = None
     rule_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     for_every: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    num_updates: int | None = None
 
     def __post_init__(self):
+        if self.num_updates is not None:
+            errors.positive_int("num_updates", self.num_updates)
         errors.require(isinstance(self.plan, Plan), "plan", self.plan, "give an asgd_jax.Plan(delays, ...)")
         errors.require(bool(self.variants), "variants", self.variants, "give at least one Variant")
         known = {k for v in self.variants for k in (*rules.defaults(v.rule), *rules.required(v.rule))}
         unknown = sorted(set(self.rule_options) - known)
         errors.require(not unknown, "rule_options", unknown, f"the arm's rules take {sorted(known)}")
-        hp = list(self.variants[0].hp)
+        named: dict[str, list[str]] = {}
         for v in self.variants:
-            errors.require(list(v.hp) == hp, "hp", dict(v.hp), f"every variant of an arm names the same ones: {hp}")
+            hp = named.setdefault(v.rule, list(v.hp))
+            errors.require(
+                list(v.hp) == hp, "hp", dict(v.hp), f"every {v.rule!r} variant of an arm names the same ones: {hp}"
+            )
 
     def label(self, variant: Variant) -> str:
         return variant.label if self.series is None else self.series.format(label=variant.label, **self.coords)
@@ -124,15 +124,14 @@ class Settings(Setup):
     Attributes:
       seeds: one run per seed and variant.
       epochs: effective passes over the training data per run (warm runs: after the warm-up).
-      mean_square_decay: DC-ASGD-a's m.
       compute_time: the workers' compute-time distribution.
       evals: test-error evaluations per run.
       window: training-error smoothing window (minibatches; GPU A-SGD: 400).
       warm_epochs: single-worker SGD epochs that make the warm-started weights.
       target_error: training error (smoothed) whose first crossing defines time-to-target.
+      time_budget: a virtual-time budget: a crossing after it does not count (no time to target).
       init_seed: seed of the shared initial weights.
-      workers, algorithms, lam_c, lam_a: the DC-ASGD Table-1 grid (``dcasgd_table1``, ``asgd-jax ablate``): worker
-        counts, which of :data:`ALGORITHMS` run, and DC-ASGD-c's and -a's lambda_0.
+      workers: the worker counts the study's arms run.
 
     The setup's ``schedule`` is DC-ASGD's step decay by default (/10 at 50% and 75% of the run); ``momentum`` is
     every rule's (the DC-ASGD paper reports none).
@@ -140,7 +139,6 @@ class Settings(Setup):
 
     seeds: tuple[int, ...] = (0, 1, 2)
     epochs: float = 15.0
-    mean_square_decay: float = 0.95
     compute_time: str = "exponential"
     evals: int = 10
     window: int = 100
@@ -148,12 +146,12 @@ class Settings(Setup):
     target_error: float = 0.5
     init_seed: int = 0
     workers: tuple[int, ...] = (1, 4, 8)
-    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    lam_c: float = 0.04
-    lam_a: float = 2.0
+    time_budget: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        if self.time_budget is not None:
+            errors.finite_number("time_budget", self.time_budget, positive=True)
         errors.require(bool(self.seeds), "seeds", self.seeds, "give at least one seed")
         errors.require(
             bool(self.workers) and all(isinstance(m, int) and m >= 1 for m in self.workers),
@@ -161,21 +159,12 @@ class Settings(Setup):
             list(self.workers),
             "give worker counts >= 1",
         )
-        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
-        errors.require(
-            bool(self.algorithms) and not unknown,
-            "algorithms",
-            list(self.algorithms),
-            f"choose from {', '.join(ALGORITHMS)}",
-        )
         errors.finite_number("epochs", self.epochs, positive=True)
         errors.finite_number("warm_epochs", self.warm_epochs, positive=True)
         for name in ("evals", "window"):
             errors.positive_int(name, getattr(self, name))
         errors.choice("compute_time", self.compute_time, delays_lib.COMPUTE_TIME_KINDS)
-        # lam_c, lam_a, mean_square_decay and momentum are checked by the rule itself.
-        rules.get("dc_asgd_c", 0.1, lam=self.lam_c, momentum=self.momentum)
-        rules.get("dc_asgd_a", 0.1, lam=self.lam_a, mean_square_decay=self.mean_square_decay)
+        rules.get("sgd", 0.1, momentum=self.momentum)  # momentum is checked by the rule itself
 
     def cluster(self, workers: int, **kwargs: Any) -> delays_lib.Workers:
         """``Workers(workers, **kwargs)`` with the study's compute times (``kwargs`` may override them)."""
@@ -183,9 +172,10 @@ class Settings(Setup):
 
 
 #: The DC-ASGD paper's CIFAR-10 setup (Zheng et al. 2017): ResNet-20, no augmentation, 160 effective epochs,
-#: minibatch 128 per worker, lr 0.5 divided by 10 at epochs 80 and 120, DC-ASGD-c lambda_0 0.04, DC-ASGD-a lambda_0 2
-#: and m 0.95, M in {1, 4, 8}, 5 seeds, the same initial weights and schedule for every run: the full form of
-#: ``dcasgd_table1`` and ``dcasgd_lambda_sweep`` (hours on one GPU; `asgd-jax data prepare cifar10` first).
+#: minibatch 128 per worker, lr 0.5 divided by 10 at epochs 80 and 120, M in {1, 4, 8}, 5 seeds, the same initial
+#: weights and schedule for every run (its lambda_0 and m are DC-ASGD's own numbers, ``DCSettings`` of
+#: ``asgd_jax.experiments._dcasgd``): the full form of ``dcasgd_table1`` and ``dcasgd_lambda_sweep`` (hours on one
+#: GPU; `asgd-jax data prepare cifar10` first).
 DCASGD_CIFAR10 = Settings(
     dataset="tfds:cifar10",
     model="resnet20",
@@ -196,6 +186,31 @@ DCASGD_CIFAR10 = Settings(
     evals=40,
     window=400,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A study's own problem, in place of its settings' dataset and model (the optimal-time quadratic).
+
+    Attributes:
+      loss: the training loss, an :class:`asgd_jax.Loss` with ``has_aux``: its aux ``"error"`` is the training measure
+        (smoothed over the settings' ``window``, it decides the time to target and the tuned picks).
+      evaluate: ``evaluate(params, model_state) -> {"error": ...}``: the measure at the server's weights, every
+        evaluation (the results' ``test_error``: the last one).
+      params: the initial weights.
+      train: the training data (a pytree of arrays whose leading axis is the examples; the shards are cut from it).
+    """
+
+    loss: Any
+    evaluate: Callable[[Any, Any], Mapping[str, Any]]
+    params: Any
+    train: Any
+
+    @property
+    def num_examples(self) -> int:
+        import jax  # the study modules import this one without JAX
+
+        return int(jax.tree.leaves(self.train)[0].shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +236,13 @@ class Study:
         the lowest mean final training error (the test set never picks), and the table lists the picks.
       facet: one table (and one plot panel) per value of this coordinate (``"cluster"``).
       also: more metrics, each one more table of the same cells (``("time_to_target",)``).
+      tune_by: what a tuned pick minimises, a run's ``"train_error"`` (its final smoothed training error, the
+        default) or ``"time_to_target"`` (a run that never reaches the target counts as the worst).
+      problem: ``problem(settings) -> Problem``: the study's own loss, weights and data instead of the settings'
+        dataset and model.
+      reference: ``reference(settings, rows) -> (label, {row: value})``: a curve drawn beside the final metric's
+        lines (a theory's prediction, up to a constant: it is scaled to the best measured value at each row, their
+        median ratio).
     """
 
     name: str
@@ -241,10 +263,14 @@ class Study:
     tune: tuple[str, ...] = ()
     facet: str | None = None
     also: tuple[str, ...] = ()
+    tune_by: str = "train_error"
+    problem: Callable[[Settings], Problem] | None = None
+    reference: Callable[[Settings, list[Any]], tuple[str, Mapping[Any, float]]] | None = None
 
     def __post_init__(self):
         for metric in (self.metric, *self.also):
             errors.choice("metric", metric, METRICS)
+        errors.choice("tune_by", self.tune_by, ("train_error", "time_to_target"))
 
     def form(self, name: str) -> Settings:
         """The settings of the form ``name``."""

@@ -9,7 +9,8 @@ import math
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,9 @@ def _cell(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
 def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[tuple, dict[str, Any]]]:
     """The runs of each cell's best tuned setting, and the picks: ``{(facet, row, column): {"lr": 0.1, ...}}``.
 
-    A cell's runs are grouped by their :attr:`Study.tune` coordinates; the group with the lowest mean final training
-    error wins (a diverged run counts as the worst), so the test set only reports. Without ``tune``: all runs, no picks.
+    A cell's runs are grouped by their :attr:`Study.tune` coordinates; the group with the lowest mean of
+    :attr:`Study.tune_by` wins (the final training error by default; a diverged run, or one that never reaches the
+    target, counts as the worst), so the test set only reports. Without ``tune``: all runs, no picks.
 
     Example:
       >>> from asgd_jax import studies
@@ -59,7 +61,7 @@ def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str,
         groups.setdefault(_cell(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
 
     def score(group: list[dict[str, Any]]) -> float:
-        errs = np.asarray([r["train_error"] for r in group], np.float64)
+        errs = np.asarray([r[study.tune_by] for r in group], np.float64)
         return float(errs.mean()) if np.isfinite(errs).all() else math.inf
 
     kept, picks = [], {}
@@ -133,7 +135,8 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         if metric == "speedup":
             what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
         over = "ratio of mean times" if metric == "speedup" else "mean ± std"
-        tuned = f"; each cell the best of its {', '.join(study.tune)} grid by training error" if study.tune else ""
+        by = "training error" if study.tune_by == "train_error" else "time to target"
+        tuned = f"; each cell the best of its {', '.join(study.tune)} grid by {by}" if study.tune else ""
 
         def text(cell, metric=metric):
             if cell is None or math.isnan(cell[0]):
@@ -143,10 +146,11 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         lines += ([""] if lines else []) + [f"{what}, {over} over {num_seeds} seed(s){tuned}"]
         lines += ([] if study.facet else [""]) + _grid(study, cells, text)
         if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
-            lines += ["", "—: the target was not reached within the epoch budget (in at least one seed)."]
+            lines += ["", "—: the target was not reached within the budget (in at least one seed)."]
     if picks:
         edges = _grid_edges(study, runs, picks)
-        lines += ["", f"The tuned settings picked (lowest training error over {', '.join(study.tune)})"]
+        by = "training error" if study.tune_by == "train_error" else "time to target"
+        lines += ["", f"The tuned settings picked (lowest {by} over {', '.join(study.tune)})"]
         marked = {
             cell: ", ".join(f"{k} {v:g}{'*' if k in edges[cell] else ''}" for k, v in p.items())
             for cell, p in picks.items()
@@ -204,7 +208,25 @@ def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, 
     return missing
 
 
-def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str):
+def _reference_line(ax, cells: dict[tuple, tuple], facet, rows: list, label: str, curve: Mapping) -> None:
+    """A theory's curve, known up to a constant: scaled by the median ratio of the best measured value at each row to
+    it, drawn dashed."""
+    best = {
+        r: min(
+            (v[0] for (f, row, _), v in cells.items() if f == facet and row == r and np.isfinite(v[0])),
+            default=math.nan,
+        )
+        for r in rows
+    }
+    ratios = [best[r] / curve[r] for r in rows if r in curve and np.isfinite(best[r]) and curve[r] > 0]
+    if not ratios:
+        return
+    scale = float(np.median(ratios))
+    xs = [r for r in rows if r in curve]
+    ax.plot(xs, [scale * curve[r] for r in xs], "k--", lw=1.2, label=f"{label} (scaled)")
+
+
+def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, reference=None):
     """The figure of one metric: line panels side by side over numeric rows; bar panels (a group per rule) stacked,
     so that a README page shows them at a readable size."""
     import matplotlib.pyplot as plt
@@ -219,6 +241,8 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str):
     axes, missing = list(axes.flat), False
     for ax, facet in zip(axes, facets, strict=True):
         missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1])
+        if reference is not None and numeric and metric == study.metric:
+            _reference_line(ax, cells, facet, rows, *reference)
         if study.facet:
             ax.set_title(f"{study.facet} = {facet}", fontsize=9)
     axes[0 if numeric else len(axes) // 2].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
@@ -226,7 +250,7 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str):
     tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
     note = "\nx: no value (the target not reached in some seed, or diverged)" if missing else ""
     title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {METRICS[metric]}"
-    fig.suptitle(f"{title}{tuned}{note}", fontsize=10)
+    fig.suptitle(textwrap.fill(f"{title}{tuned}", 64 if numeric and len(facets) == 1 else 110) + note, fontsize=10)
     return fig
 
 
@@ -242,7 +266,9 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     runs, _ = best_tuned(study, result.runs)
     for metric in (study.metric, *study.also):
         cells = _cell_values(study, runs, metric)
-        fig = _final_figure(study, cells, metric)
+        rows = _ordered(r for _, r, _ in cells)
+        reference = None if study.reference is None else study.reference(result.settings, rows)
+        fig = _final_figure(study, cells, metric, reference)
         paths.append(os.path.join(folder, "final.png" if metric == study.metric else f"final_{metric}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)

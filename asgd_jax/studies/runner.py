@@ -61,7 +61,6 @@ class _ArmRule:
     server_lr: float | None
     momentum: float | None
     weight_decay: float
-    mean_square_decay: float
     num_workers: int
     rule_options: tuple[tuple[str, Any], ...]
 
@@ -70,10 +69,8 @@ class _ArmRule:
         kwargs: dict[str, Any] = {}
         if "num_workers" in rules.required(rule):
             kwargs["num_workers"] = self.num_workers
-        if rule == "dc_asgd":
-            kwargs.update(mean_square_decay=self.mean_square_decay, lam=h["lam"], adaptive=h["adaptive"] > 0.5)
         kwargs.update({k: v for k, v in self.rule_options if k in takes})
-        kwargs.update({k: v for k, v in h.items() if k in takes and k not in ("lam", "adaptive")})
+        kwargs.update({k: v for k, v in h.items() if k in takes})
         return setups.make_rule(rule, lr, momentum=self.momentum, weight_decay=self.weight_decay, **kwargs)
 
     def __call__(self, h: Mapping[str, jax.Array]):
@@ -98,29 +95,27 @@ def arm_rule(arm: Arm, s: Settings, num_updates: int, updates_per_epoch: float) 
         server_lr=arm.server_lr,
         momentum=s.momentum,
         weight_decay=s.weight_decay,
-        mean_square_decay=s.mean_square_decay,
         num_workers=arm.plan.workers,
         rule_options=tuple(sorted(arm.rule_options.items())),
     )
 
 
 def _hparams(variants: tuple[Variant, ...], s: Settings, index: np.ndarray) -> dict[str, np.ndarray]:
-    """Each run's traced numbers (its variant's, by ``index``): the learning rate, lambda, the adaptive flag, hp."""
-    keys = list(variants[0].hp)  # every variant names the same ones (Arm checks)
+    """Each run's traced numbers (its variant's, by ``index``): the learning rate, which rule (a mix), hp."""
+    keys = list(dict.fromkeys(k for v in variants for k in v.hp))  # a rule's variants name the same (Arm checks)
     tuned = {"lr": [v.lr or s.learning_rate for v in variants]} if any(v.lr for v in variants) else {}
     names = _arm_rules(variants)
     table = {
         **tuned,
         **({"rule": [names.index(v.rule) for v in variants]} if len(names) > 1 else {}),
-        "lam": [v.lam for v in variants],
-        "adaptive": [float(v.adaptive) for v in variants],
-        **{k: [v.hp[k] for v in variants] for k in keys},
+        **{k: [v.hp.get(k, 0.0) for v in variants] for k in keys},  # 0: a rule that does not take it
     }
     return {k: np.asarray(values, np.float32)[index] for k, values in table.items()}
 
 
-def time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> float:
-    """The time of the first update whose smoothed training error is at or below ``target`` (NaN if none is).
+def time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float, budget: float | None = None) -> float:
+    """The time of the first update whose smoothed training error is at or below ``target`` (NaN if none is, or, with
+    a ``budget``, if none is by then).
 
     Example:
       >>> import numpy as np
@@ -129,7 +124,9 @@ def time_to_target(times: np.ndarray, smoothed: np.ndarray, target: float) -> fl
       2.0
     """
     hit = np.flatnonzero(smoothed <= target)
-    return float(times[hit[0]]) if hit.size else math.nan
+    if not hit.size or (budget is not None and times[hit[0]] > budget):
+        return math.nan
+    return float(times[hit[0]])
 
 
 @dataclasses.dataclass
@@ -146,16 +143,21 @@ class StudyResult:
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-    """What every arm of a study run shares: the data, the model's loss and evaluation, the initial weights."""
+    """What every arm of a study run shares: the training data, the loss and evaluation, the initial weights."""
 
-    ds: Any
+    train: Any
+    num_examples: int
     loss_fn: Any
     eval_fn: Any
     init: tuple[Any, Any]
     warm: tuple[Any, Any] | None
 
 
-def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
+def _setup(study: Study, s: Settings, arms: list[Arm], progress: bool) -> _Setup:
+    if study.problem is not None:  # the study's own loss, weights and data
+        errors.require(not any(a.warm for a in arms), "warm", True, "a study's own problem has no warm start")
+        p = study.problem(s)
+        return _Setup(p.train, p.num_examples, p.loss, p.evaluate, (p.params, None), None)
     ds = data_lib.load(s.dataset, data_dir=s.data_dir)
     model = s.build_model(ds.num_classes, ds.input_shape)
     params0, model_state0 = model.init(jax.random.key(s.init_seed))
@@ -175,7 +177,7 @@ def _setup(s: Settings, arms: list[Arm], progress: bool) -> _Setup:
         )
         warm = (w.params, w.model_state)
     eval_fn = s.evaluation(model, ds.test)
-    return _Setup(ds, loss_fn, eval_fn, (params0, model_state0), warm)
+    return _Setup(ds.train, len(ds.y_train), loss_fn, eval_fn, (params0, model_state0), warm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +192,13 @@ class _ArmRun:
 
 def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRun:
     """One arm's sweep over its variants x seeds, checked and bound to its programs (nothing compiled yet)."""
-    n = len(setup.ds.y_train)
+    n = setup.num_examples
     p = arm.plan
-    per_update = s.batch_size * p.n_sync * (p.workers if p.mode == "sync" else 1)
-    interval = max(1, round(s.epochs * n / per_update / s.evals))
+    per_update = s.batch_size * p.n_sync * p.payloads
+    if arm.num_updates is not None:
+        interval = -(-arm.num_updates // s.evals)
+    else:
+        interval = max(1, round(s.epochs * n / per_update / s.evals))
     num_updates = interval * s.evals
     plan = p.replace(batch_size=s.batch_size, num_updates=num_updates, eval_every=interval, chunk=None)
     variants = arm.variants
@@ -205,7 +210,7 @@ def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRu
         setup.loss_fn,
         arm_rule(arm, s, num_updates, n / per_update),
         params,
-        setup.ds.train,
+        setup.train,
         plan,
         keys=keys,
         hparams=hp,
@@ -220,10 +225,10 @@ def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRu
 def _arm_results(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list[dict], dict[str, dict]]:
     """An arm's runs and mean curves, from its sweep's result."""
     arm, plan, index, variants = run.arm, run.plan, run.index, run.arm.variants
-    n = len(setup.ds.y_train)
-    per_update = s.batch_size * plan.n_sync * (plan.workers if plan.mode == "sync" else 1)
-    num_updates = plan.num_updates
+    n = setup.num_examples
+    per_update = s.batch_size * plan.n_sync * plan.payloads
     mx = result.metrics
+    num_updates = mx["loss"].shape[1]  # fewer than the plan's where a time budget ended the runs
     seeds = np.repeat(np.asarray(s.seeds), len(variants))
     # Training error per minibatch, smoothed over `window` minibatches (an update is n_sync of them per worker).
     smoothed = metrics_lib.smooth(mx["error"], max(1, s.window // plan.n_sync))
@@ -253,7 +258,7 @@ def _arm_results(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list
                 "seed": int(seeds[r]),
                 "test_error": float(mx["eval_error"][r, -1]),
                 "train_error": float(smoothed[r, -1]),
-                "time_to_target": time_to_target(mx["time"][r], smoothed[r], s.target_error),
+                "time_to_target": time_to_target(mx["time"][r], smoothed[r], s.target_error, s.time_budget),
                 "virtual_time": float(mx["time"][r, -1]),
                 "mean_staleness": float(mx["staleness"][r].mean()),
                 "max_staleness": int(mx["staleness"][r].max()),
@@ -337,7 +342,7 @@ def run(
         for i, arm in enumerate(arms):  # the results in arm order, whatever order the tasks finished in
             finished(arm, *results[i], tell=False)
         return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
-    setup = _setup(s, arms, progress)
+    setup = _setup(study, s, arms, progress)
     # Every arm still to run is checked before any runs.
     prepared = {i: _prepare_arm(s, arm, setup, progress) for i, arm in enumerate(arms) if i not in found}
 
@@ -373,7 +378,7 @@ def run_arm(study: Study, settings: Settings, quick: bool, index: int) -> tuple[
     cache.enable()  # a Ray worker reuses the programs other workers (and runs) compiled
     arms = study.arms(settings, quick)
     errors.require(0 <= index < len(arms), "index", index, f"the study has {len(arms)} arms")
-    setup = _setup(settings, arms, progress=False)
+    setup = _setup(study, settings, arms, progress=False)
     prepared = _prepare_arm(settings, arms[index], setup, progress=False)
     return _arm_results(settings, prepared, prepared.sweep.run(), setup)
 
@@ -481,8 +486,9 @@ def _differences(saved: Any, now: Any, where: str = "") -> list[str]:
 
 def ablate(*, quick: bool = False, progress: bool = True, **overrides: Any) -> StudyResult:
     """DC-ASGD's Table 1 in miniature: the ``dcasgd_table1`` study in its ``ablate`` form (mnist1d MLP, 40 effective
-    epochs, 5 seeds; ``quick``: 15 epochs, 3 seeds), with ``overrides`` of its :class:`Settings` (``workers``,
-    ``algorithms``, ``seeds``, ``epochs``, ``learning_rate``, ``lam_c``, ``lam_a``, ``dataset``, ...). What
+    epochs, 5 seeds; ``quick``: 15 epochs, 3 seeds), with ``overrides`` of its settings (``workers``,
+    ``algorithms``, ``seeds``, ``epochs``, ``learning_rate``, ``lam_c``, ``lam_a``, ``dataset``, ...: the study's
+    ``DCSettings``). What
     ``asgd-jax ablate`` and ``make demo`` run."""
     study = load("dcasgd_table1")
     settings = dataclasses.replace(study.form("ablate-quick" if quick else "ablate"), **overrides)
