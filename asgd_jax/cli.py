@@ -565,6 +565,12 @@ def _add_run(sub) -> None:
     p.add_argument("--resume", action="store_true", help="finish a study killed midway: run only the missing arms")
     p.add_argument("--backend", default="local", choices=("local", "ray"), help="ray: each arm a task on a cluster")
     p.add_argument("--ray-address", default=None, help="the Ray cluster to join ('auto': the local `ray start`)")
+    p.add_argument(
+        "--runs-per-task",
+        type=int,
+        default=None,
+        help="with --backend ray: split an arm of more runs than this into tasks of whole seeds [one task per arm]",
+    )
     p.set_defaults(func=_run_study)
     r = sub.add_parser(
         "report",
@@ -621,6 +627,7 @@ def _run_study(args: argparse.Namespace) -> int:
         resume=args.resume,
         backend=args.backend,
         ray_address=args.ray_address,
+        runs_per_task=args.runs_per_task,
     )
     paths = studies.save(result, out, tensorboard=args.tensorboard)
     print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")

@@ -3,6 +3,7 @@ loses a node midway; a resume on Ray runs only the missing arms; an arm that fai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -78,6 +79,17 @@ def test_a_study_on_ray_gives_the_local_numbers_and_resumes_only_what_is_missing
     assert sorted(p.name for p in (out / "arms").iterdir()) == sorted(
         ["study.json"] + [f"{i}.json" for i in range(len(study.arms(study.quick, True)))]
     )
+
+
+def test_an_arm_split_into_tasks_of_seeds_gives_the_arms_numbers(study_file, local_ray):
+    """``runs_per_task``: each asynchronous arm (3 variants x 3 seeds) becomes three tasks of one seed; the joined
+    results, tables and curves are the local run's, value for value."""
+    study = studies.load(str(study_file))
+    settings = dataclasses.replace(study.quick, seeds=(0, 1, 2))
+    local = studies.run(study, settings=settings, progress=False)
+    split = studies.run(study, settings=settings, progress=False, backend="ray", runs_per_task=3)
+    _same(split, local)
+    assert studies.format_table(study, split.runs, 3) == studies.format_table(study, local.runs, 3)
 
 
 def test_an_arm_that_fails_for_its_own_reason_is_named(study_file, local_ray):

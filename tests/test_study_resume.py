@@ -13,6 +13,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asgd_jax import studies
 from asgd_jax.cli import main
@@ -86,3 +88,23 @@ def test_a_resume_with_other_settings_is_refused_in_one_line(tmp_path, study_fil
     err = capsys.readouterr().err
     assert "arms were run with other settings (settings.epochs: 0.3 then, 0.5 now)" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seeds=st.integers(1, 12),
+    variants=st.integers(1, 6),
+    runs_per_task=st.one_of(st.none(), st.integers(2, 20)),
+)
+def test_seed_groups_cut_an_arm_into_whole_seeds_in_order(seeds, variants, runs_per_task):
+    """A split arm's tasks: every seed once, in order; two runs or more a task; no more than ``runs_per_task`` a
+    task where a seed's runs fit in it (a last lone run joins the task before it)."""
+    groups = studies.seed_groups(tuple(range(seeds)), variants, runs_per_task)
+    assert [s for g in groups for s in g] == list(range(seeds))
+    if runs_per_task is None or seeds * variants <= runs_per_task:
+        assert len(groups) == 1
+    if len(groups) > 1:
+        assert all(len(g) * variants >= 2 for g in groups)
+        if variants <= runs_per_task:
+            assert all(len(g) * variants <= runs_per_task for g in groups[:-1])
+            assert len(groups[-1]) * variants <= runs_per_task + 1  # a lone last run joined

@@ -51,7 +51,9 @@ from asgd_jax.studies.runner import (
     arm_rule,
     run,
     run_arm,
+    run_arm_part,
     schedule,
+    seed_groups,
     time_to_target,
 )
 
@@ -70,6 +72,7 @@ __all__ = [
     "arm_rule",
     "available",
     "run_arm",
+    "run_arm_part",
     "best_tuned",
     "format_table",
     "load",
@@ -79,5 +82,6 @@ __all__ = [
     "run",
     "save",
     "schedule",
+    "seed_groups",
     "time_to_target",
 ]

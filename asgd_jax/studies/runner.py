@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import time
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -288,6 +289,7 @@ def run(
     resume: bool = False,
     backend: str = "local",
     ray_address: str | None = None,
+    runs_per_task: int | None = None,
 ) -> StudyResult:
     """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
 
@@ -310,9 +312,14 @@ def run(
         result in arm order (identical numbers), one progress bar for the study, a task whose worker died retried
         (up to :data:`MAX_RETRIES` times), an arm that fails for its own reason named with it.
       ray_address: the Ray cluster to join (``"auto"``: the one ``ray start`` made); default: a local instance.
+      runs_per_task: with ``backend="ray"``: an arm of more runs than this is split into tasks of whole seeds (at
+        most this many runs each where its variants allow, two or more each), gathered into the arm's results as one
+        sweep gives them (a run's numbers do not depend on the other runs of its sweep).
     """
     errors.require(on_arm is None or callable(on_arm), "on_arm", on_arm, "give a function of (arm, runs, curves)")
     errors.choice("backend", backend, BACKENDS, "--backend")
+    if runs_per_task is not None:
+        errors.int_at_least("runs_per_task", runs_per_task, 2, "--runs-per-task")
     if backend == "ray":
         from asgd_jax.ray_backend import require_ray
 
@@ -338,7 +345,7 @@ def run(
 
     if backend == "ray":
         done = None if on_arm is None else lambda i, result: on_arm(arms[i], *result)  # as each arm finishes
-        results = _run_on_ray(study, s, quick, arms, found, kept, progress, ray_address, done)
+        results = _run_on_ray(study, s, quick, arms, found, kept, progress, ray_address, done, runs_per_task)
         for i, arm in enumerate(arms):  # the results in arm order, whatever order the tasks finished in
             finished(arm, *results[i], tell=False)
         return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
@@ -383,9 +390,51 @@ def run_arm(study: Study, settings: Settings, quick: bool, index: int) -> tuple[
     return _arm_results(settings, prepared, prepared.sweep.run(), setup)
 
 
-def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done) -> dict[int, tuple]:
-    """Every arm not ``found`` as a Ray task, gathered by index as they finish (kept as they finish, with ``kept``;
-    ``done(index, result)`` told of each, the found ones first)."""
+def seed_groups(seeds: tuple[int, ...], variants: int, runs_per_task: int | None) -> list[tuple[int, ...]]:
+    """An arm's seeds cut into the groups of its tasks: whole seeds (every variant of a seed in one task, so the runs
+    stay in the sweep's order), at most ``runs_per_task`` runs a group where that holds a seed, and at least two
+    runs a group (a sweep of one run is compiled without the runs axis, which may round differently).
+
+    Example:
+      >>> from asgd_jax import studies
+      >>> studies.seed_groups((0, 1, 2, 3, 4), variants=3, runs_per_task=6)
+      [(0, 1), (2, 3), (4,)]
+    """
+    if runs_per_task is None or len(seeds) * variants <= runs_per_task:
+        return [tuple(seeds)]
+    per = max(1, runs_per_task // variants, -(-2 // variants))
+    groups = [tuple(seeds[i : i + per]) for i in range(0, len(seeds), per)]
+    if len(groups) > 1 and len(groups[-1]) * variants < 2:  # a last group of one run joins the one before
+        groups[-2:] = [groups[-2] + groups[-1]]
+    return groups
+
+
+def run_arm_part(study: Study, settings: Settings, quick: bool, index: int, seeds: tuple[int, ...]) -> dict[str, Any]:
+    """One arm's runs of ``seeds`` (a Ray task of a split arm): its plan, and its sweep's per-run metrics, which
+    :func:`run` joins along the runs axis into the arm's results."""
+    cache.enable()
+    arms = study.arms(settings, quick)
+    errors.require(0 <= index < len(arms), "index", index, f"the study has {len(arms)} arms")
+    part = dataclasses.replace(settings, seeds=tuple(seeds))
+    setup = _setup(study, part, arms, progress=False)
+    prepared = _prepare_arm(part, arms[index], setup, progress=False)
+    return {"plan": prepared.plan, "metrics": prepared.sweep.run().metrics, "num_examples": setup.num_examples}
+
+
+def _joined(s: Settings, arm: Arm, parts: list[dict[str, Any]]) -> tuple[list[dict], dict[str, dict]]:
+    """A split arm's results from its parts, as its whole sweep would give them: the per-run metrics joined in seed
+    order, then read exactly as :func:`run` reads a sweep's."""
+    metrics = {k: np.concatenate([np.asarray(p["metrics"][k]) for p in parts]) for k in parts[0]["metrics"]}
+    _, hp = grid(seeds=s.seeds, index=list(range(len(arm.variants))))
+    run = _ArmRun(arm, parts[0]["plan"], np.asarray(hp["index"]).astype(int), None)
+    setup = _Setup(None, parts[0]["num_examples"], None, None, (None, None), None)
+    return _arm_results(s, run, types.SimpleNamespace(metrics=metrics), setup)
+
+
+def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done, runs_per_task=None) -> dict[int, tuple]:
+    """Every arm not ``found`` as Ray tasks (one, or one per group of seeds: :func:`seed_groups`), gathered by index
+    as they finish (kept as they finish, with ``kept``; ``done(index, result)`` told of each, the found ones
+    first)."""
     import ray
     from tqdm.auto import tqdm
 
@@ -393,8 +442,16 @@ def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done) -> 
 
     join(address)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=MAX_RETRIES, retry_exceptions=False)(run_arm)
-    pending = {task.remote(study, s, quick, i): i for i in range(len(arms)) if i not in found}
+    options = {"num_cpus": 1, "num_gpus": gpus, "max_retries": MAX_RETRIES, "retry_exceptions": False}
+    task, part_task = ray.remote(**options)(run_arm), ray.remote(**options)(run_arm_part)
+    pending, parts = {}, {}  # task -> (arm, part); arm -> its parts' results so far
+    for i in (i for i in range(len(arms)) if i not in found):
+        groups = seed_groups(tuple(s.seeds), len(arms[i].variants), runs_per_task)
+        if len(groups) == 1:
+            pending[task.remote(study, s, quick, i)] = (i, None)
+        else:
+            parts[i] = [None] * len(groups)
+            pending.update({part_task.remote(study, s, quick, i, g): (i, j) for j, g in enumerate(groups)})
     results = dict(found)
     for i in sorted(found) if done is not None else ():
         done(i, found[i])
@@ -403,9 +460,15 @@ def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done) -> 
     ) as bar:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
-            i = pending.pop(ready[0])
+            i, j = pending.pop(ready[0])
             try:
-                results[i] = ray.get(ready[0])
+                if j is None:
+                    results[i] = ray.get(ready[0])
+                else:
+                    parts[i][j] = ray.get(ready[0])
+                    if any(p is None for p in parts[i]):
+                        continue  # the arm's other parts are still running
+                    results[i] = _joined(s, arms[i], parts.pop(i))
             except ray.exceptions.RayTaskError as e:
                 for ref in pending:
                     ray.cancel(ref, force=True)
