@@ -126,13 +126,15 @@ def test_the_leaderboard_grid_is_the_issues():
     study = studies.load("staleness_leaderboard")
     arms = study.arms(study.full, False)
     cells = {(a.coords["cluster"], a.coords["M"]) for a in arms if not a.for_every}
-    assert cells == {(c, m) for c in ("uniform", "half at half speed", "fixed delay") for m in (4, 16, 32)}
+    clusters = ("uniform", "half at half speed", "fixed delay", "1 + √i")
+    assert cells == {(c, m) for c in clusters for m in (4, 16, 32)}
     rules_per_cell = {}
     for a in arms:
         for v in a.variants:
             rules_per_cell.setdefault((a.coords["cluster"], a.coords["M"]), {}).setdefault(v.label, set()).add(v.lr)
     expected = {"ASGD", "DC-ASGD-c", "DC-ASGD-a", "staleness-aware", "delay-adaptive", "Gap-Aware", "DANA-Zero"}
-    expected |= {"Delayed Nesterov", "SSGD"}
+    expected |= {"Delayed Nesterov", "SSGD", "delay-threshold (Koloskova)"}
+    expected |= {"Ringmaster (stops)", "Rennala (stops)", "m-Synchronous"}  # the optimal-time methods, R = S = m = M/2
     for cell in cells:
         assert set(rules_per_cell[cell]) == expected
         assert all(len(lrs) >= 2 for lrs in rules_per_cell[cell].values())  # every rule's lr is tuned
@@ -144,13 +146,20 @@ def test_the_leaderboard_grid_is_the_issues():
     )
     slow = [a for a in arms if a.coords["cluster"] == "half at half speed"]
     half = lambda m: [0.5] * (m // 2) + [1.0] * (m // 2)
-    assert all(sorted(a.plan.delays.speeds) == half(a.plan.workers) for a in slow)
+    law = lambda a: getattr(a.plan.delays, "workers", a.plan.delays)  # the optimal-time clusters' Workers law
+    assert all(sorted(law(a).speeds) == half(a.plan.workers) for a in slow)
+    sqrt = [a for a in arms if a.coords["cluster"] == "1 + √i" and isinstance(a.plan.delays, delays.Workers)]
+    assert all(np.allclose(1 / np.asarray(a.plan.delays.speeds), delays.sqrt_times(a.plan.workers)) for a in sqrt)
+    optimal = {type(a.plan.delays).__name__: a.plan.delays for a in arms if a.coords.get("M") == 16}
+    assert (optimal["Ringmaster"].threshold, optimal["Rennala"].batch, optimal["MSync"].m) == (8, 8, 8)
+    assert optimal["Ringmaster"].stops and optimal["Rennala"].stops
     assert (
-        study.full.seeds == study.quick.seeds == (0, 1, 2, 3, 4)
+        study.full.seeds == (0, 1, 2, 3, 4)
+        and study.quick.seeds == (0, 1)
         and study.full.model == "resnet20"
         and study.quick.model == "cnn"
     )
-    assert study.tune == ("lr", "lambda") and study.also == ("time_to_target",)
+    assert study.tune == ("lr", "lambda") and (study.metric, study.also) == ("time_to_target", ("test_error",))
 
 
 def test_a_mix_of_rules_in_one_arm_gives_each_rule_its_own_runs():
@@ -261,7 +270,7 @@ def test_faceted_bar_plots_stack_their_panels_and_lay_out_with_missing_values(tm
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # matplotlib's layout warnings
         paths = studies.plot(result, tmp_path)
-    assert [p.rsplit("/", 1)[-1] for p in paths] == ["final.png", "final_time_to_target.png"]
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["final.png", "final_test_error.png"]
     for p in paths:
         height, width, _ = matplotlib.image.imread(p).shape
         assert height > width  # two stacked panels
