@@ -610,6 +610,13 @@ class _Cluster:
     def init(self, key: jax.Array, n_sync: int = 1) -> ClusterState:
         return _fresh(self.workers, key, n_sync)
 
+    def _check(self, knob: str) -> None:
+        """The law (or an int M), the model's static int ``knob`` (>= 1) and, where it has one, ``stops``."""
+        object.__setattr__(self, "workers", _check_workers(self.workers))
+        _check_int(knob, getattr(self, knob), 1)
+        stops = getattr(self, "stops", False)
+        errors.require(isinstance(stops, bool), "stops", stops, "give True or False")
+
 
 def _check_workers(workers: Any) -> Workers:
     if errors.is_int(workers):
@@ -651,9 +658,7 @@ class Ringmaster(_Cluster):
     stops: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "workers", _check_workers(self.workers))
-        _check_int("threshold", self.threshold, 1)
-        errors.require(isinstance(self.stops, bool), "stops", self.stops, "give True or False")
+        self._check("threshold")
 
     @property
     def num_slots(self) -> int:
@@ -719,9 +724,7 @@ class Rennala(_Cluster):
     stops: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "workers", _check_workers(self.workers))
-        _check_int("batch", self.batch, 1)
-        errors.require(isinstance(self.stops, bool), "stops", self.stops, "give True or False")
+        self._check("batch")
 
     num_slots = 1
 
@@ -781,8 +784,7 @@ class MSync(_Cluster):
     m: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "workers", _check_workers(self.workers))
-        _check_int("m", self.m, 1)
+        self._check("m")
         if self.m > self.workers.num:
             raise errors.ConfigError(f"m={self.m} is invalid: at most the {self.workers.num} workers (m <= M).")
 
