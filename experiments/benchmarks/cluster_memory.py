@@ -1,14 +1,16 @@
 """What a run of M = 1,000 workers holds in memory, per delay model, and what an update costs there.
 
 For each model size (the parameter count a cost that grows with it would hide in a small model) and each delay model
-of 1,000 workers, the compiled chunk's memory (XLA's memory analysis: arguments, i.e. the simulator's state with its
-weight backups, and temporaries) and the seconds per update of a run, measured side by side in one process:
+of 1,000 workers, the simulator's state (weights, backups, the delay model's state, data positions: what a run holds
+between updates, and what a checkpoint writes), the compiled chunk's temporaries (XLA's memory analysis) and the
+seconds per update of a run, measured side by side in one process:
 
 * ``Workers(1000)`` (ASGD): one backup of the weights per worker, M x params;
 * ``Ringmaster(law, R=6)`` (with and without stops): a ring of R weight versions;
 * ``Rennala(law, S=8, stops)``, ``MSync(law, m=100)``: every update at w_t, one copy.
 
-The floor is plain SGD over the same minibatches (``Workers(1)``). Ratios are per-update time over the floor's.
+The floor is plain SGD over the same minibatches (``Workers(1)``). Ratios are per-update time over the floor's; a
+round model's update is the mean of several gradients (its column says how many).
 
     .venv/bin/python experiments/benchmarks/cluster_memory.py          # ~2 minutes on 2 cores
 """
@@ -30,9 +32,9 @@ UPDATES = 400
 
 def problem(dim: int):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(4 * M, dim)).astype(np.float32)
+    x = rng.normal(size=(2 * M, dim)).astype(np.float32)  # two examples per worker's shard
     data = {"x": x, "y": (x @ rng.normal(size=dim)).astype(np.float32)}
-    loss = lambda w, b: 0.5 * jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    loss = lambda w, b: 0.5 * jnp.mean((b["x"] @ w - b["y"]) ** 2)
     return loss, jnp.zeros(dim, jnp.float32), data
 
 
@@ -50,17 +52,21 @@ def models():
 
 def measure(dim: int) -> list[tuple[str, float, float, float]]:
     loss, w0, data = problem(dim)
-    rule = asgd_jax.rules.get("sgd", 0.01)
+    rule = asgd_jax.rules.get("sgd", 0.1 / dim)  # below 1 / L (L ~ dim for one example)
     rows = []
     for name, model in models().items():
         plan = asgd_jax.Plan(model, num_updates=UPDATES, batch_size=1, chunk=UPDATES)
-        mem = asgd_jax.simulator.lower(loss, rule, w0, data, plan).compile().memory_analysis()
-        run = lambda: asgd_jax.simulate(loss, rule, w0, data, plan, key=jax.random.key(0), progress=False)  # noqa: E731
+        lowered = asgd_jax.simulator.lower(loss, rule, w0, data, plan)
+        state = lowered.args_info[0][0]  # the simulator's state: weights, backups, delay model, data positions
+        state_bytes = sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+        mem = lowered.compile().memory_analysis()
+        run = lambda plan=plan: asgd_jax.simulate(loss, rule, w0, data, plan, key=jax.random.key(0), progress=False)
         jax.block_until_ready(run().params)  # compiled, then timed
         start = time.perf_counter()
         jax.block_until_ready(run().params)
         per_update = (time.perf_counter() - start) / UPDATES
-        rows.append((name, mem.argument_size_in_bytes / 2**20, mem.temp_size_in_bytes / 2**20, per_update))
+        payloads = plan.payloads
+        rows.append((name, state_bytes / 2**20, mem.temp_size_in_bytes / 2**20, per_update, payloads))
     return rows
 
 
@@ -70,10 +76,10 @@ def main() -> None:
         rows = measure(dim)
         floor = rows[0][3]
         print(f"params = {dim:,} ({dim * 4 / 2**20:.2f} MiB of weights)\n")
-        print("| delay model | state (MiB) | temporaries (MiB) | ms per update | ÷ floor |")
-        print("|---|---|---|---|---|")
-        for name, args, temp, per in rows:
-            print(f"| {name} | {args:.1f} | {temp:.1f} | {1e3 * per:.3f} | {per / floor:.2f} |")
+        print("| delay model | state (MiB) | temporaries (MiB) | gradients per update | ms per update | ÷ floor |")
+        print("|---|---|---|---|---|---|")
+        for name, state, temp, per, k in rows:
+            print(f"| {name} | {state:.2f} | {temp:.1f} | {k} | {1e3 * per:.3f} | {per / floor:.2f} |")
         print()
 
 
