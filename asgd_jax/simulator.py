@@ -908,8 +908,9 @@ def _chunks(program: _Program, call: _Call) -> SimulationResult:
     bar = _bar(call.progress, plan.num_updates, so_far.done, call.description)
     chunk, every = plan.chunk_length, plan.eval_interval()
     warned = [False]
+    over = _past_budget(plan, state, so_far, program.evaluates)  # a resumed run may be over already
     try:
-        while so_far.done < plan.num_updates and not _past_budget(plan, state, so_far, program.evaluates):
+        while so_far.done < plan.num_updates and not over:
             interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             length = min(chunk, plan.num_updates - so_far.done)
             end = so_far.done + length
@@ -926,8 +927,10 @@ def _chunks(program: _Program, call: _Call) -> SimulationResult:
                 so_far.eval_updates.append(end)
             so_far.done = end
             _check_finite(metrics, end, call.on_nonfinite, warned)
-            last = end == plan.num_updates or _past_budget(plan, state, so_far, program.evaluates)
-            if path is not None and (end - so_far.saved >= (plan.checkpoint_every or 1) or last):
+            over = _past_budget(plan, state, so_far, program.evaluates)
+            if path is not None and (
+                end - so_far.saved >= (plan.checkpoint_every or 1) or over or end == plan.num_updates
+            ):
                 _save(path, state, so_far, header, axis)
             if bar is not None:
                 bar.update(length)

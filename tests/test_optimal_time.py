@@ -293,3 +293,15 @@ def test_a_time_budget_ends_the_runs_at_the_first_evaluation_past_it(tmp_path):
     np.testing.assert_array_equal(cut.metrics["time"], full.metrics["time"][:n])  # the same run, cut
     assert cut.metrics["eval_update"][-1] == n
     assert budget.structure() == plan.structure()  # a number: the same programs
+
+    def crash(done, state):
+        if done == 20:
+            raise KeyboardInterrupt
+
+    options = dict(eval_fn=eval_fn, progress=False, checkpoint_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, callback=crash, **options)
+    resumed = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, **options)
+    np.testing.assert_array_equal(resumed.metrics["time"], cut.metrics["time"])  # killed and resumed: the same cut
+    again = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, **options)  # a finished run: nothing more
+    np.testing.assert_array_equal(again.metrics["time"], cut.metrics["time"])
