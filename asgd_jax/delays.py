@@ -794,6 +794,13 @@ class MSync(_Cluster):
     def round_size(self) -> int:
         return self.m
 
+    def init(self, key: jax.Array, n_sync: int = 1) -> ClusterState:
+        """Every round draws its own times: no computation is in progress between rounds (and nothing is drawn)."""
+        del key, n_sync
+        zero_f, zero_i = jnp.zeros((self.workers.num,), jnp.float32), jnp.zeros((self.workers.num,), jnp.int32)
+        scalar = jnp.zeros((), jnp.float32)
+        return ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar)
+
     def round(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del t
         times = self.workers.work_time(key, n_sync)  # SSGD's draw (Workers.sync_time), every worker from the round
