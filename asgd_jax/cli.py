@@ -566,6 +566,12 @@ def _add_run(sub) -> None:
     p.add_argument("--backend", default="local", choices=("local", "ray"), help="ray: each arm a task on a cluster")
     p.add_argument("--ray-address", default=None, help="the Ray cluster to join ('auto': the local `ray start`)")
     p.add_argument(
+        "--widen",
+        type=int,
+        default=None,
+        help="rounds of widening a tuned learning rate picked at the edge of its grid [the study's]",
+    )
+    p.add_argument(
         "--runs-per-task",
         type=int,
         default=None,
@@ -593,6 +599,8 @@ def _run_study(args: argparse.Namespace) -> int:
             return 0
         raise errors.ConfigError("asgd-jax run needs a study: one of the names above, or a path to a study .py file")
     study = studies.load(args.study)
+    if args.widen is not None:
+        study = dataclasses.replace(study, widen=args.widen)  # checked by the study, before the work
     out = errors.output_folder("out", args.out or f"results/{study.name}", "--out")  # before the work
     settings = study.quick if args.quick else study.full
     if args.seeds is not None:  # a shorter look at a long study: fewer seeds, fewer epochs

@@ -11,6 +11,7 @@ import pytest
 
 from asgd_jax import delays, studies
 from asgd_jax.cli import main
+from asgd_jax.errors import ConfigError
 from asgd_jax.plan import Plan
 
 TINY = studies.Settings(dataset="digits", seeds=(0, 1), epochs=1.0, evals=2, window=10, warm_epochs=0.5)
@@ -290,3 +291,23 @@ def test_run_takes_fewer_seeds_and_epochs_from_the_command_line(tmp_path, capsys
     assert saved["settings"]["seeds"] == [0] and saved["settings"]["epochs"] == 0.5
     assert saved["settings"]["dataset"] == quick.dataset and saved["settings"]["model"] == quick.model
     assert len(saved["runs"]) == 10 and {r["seed"] for r in saved["runs"]} == {0}  # 10 variants x 1 seed
+
+
+def test_widening_runs_an_edge_pick_one_grid_step_further_out():
+    """A learning rate picked at the top of its grid (3 values, too small for this budget) is run again at twice it,
+    round after round, and the picks are made again with those runs; a pick still at the edge stays marked."""
+    lrs = (0.005, 0.01, 0.02)
+    arm = studies.Arm({"M": 2}, Plan(2), variants=tuple(studies.Variant("ASGD", lr=lr) for lr in lrs))
+    settings = dataclasses.replace(TINY, seeds=(0,), schedule="constant")
+    study = studies.Study("w", "w", "", settings, settings, arms=lambda s, q: [arm], tune=("lr",))
+    plain = studies.run(study, settings=settings, progress=False)
+    assert studies.best_tuned(study, plain.runs)[1][(None, 2, "ASGD")] == {"lr": 0.02}
+    assert [a.variants[0].lr for a in studies.widened_arms(study, settings, [arm], plain.runs)] == [0.04]
+    wide = studies.run(dataclasses.replace(study, widen=2), settings=settings, progress=False)
+    tried = sorted(r["lr"] for r in wide.runs)
+    assert tried == [0.005, 0.01, 0.02, 0.04, 0.08]  # two rounds, each one step (x2) further
+    assert [r for r in wide.runs if r["lr"] in lrs] == plain.runs  # the grid's own runs are as they were
+    pick = studies.best_tuned(study, wide.runs)[1][(None, 2, "ASGD")]["lr"]
+    assert pick in (0.04, 0.08) and pick > 0.02
+    with pytest.raises(ConfigError, match="widen"):
+        dataclasses.replace(study, widen=-1)

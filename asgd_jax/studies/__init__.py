@@ -55,6 +55,7 @@ from asgd_jax.studies.runner import (
     schedule,
     seed_groups,
     time_to_target,
+    widened_arms,
 )
 
 __all__ = [
@@ -84,4 +85,5 @@ __all__ = [
     "schedule",
     "seed_groups",
     "time_to_target",
+    "widened_arms",
 ]

@@ -240,6 +240,9 @@ class Study:
         default) or ``"time_to_target"`` (a run that never reaches the target counts as the worst).
       problem: ``problem(settings) -> Problem``: the study's own loss, weights and data instead of the settings'
         dataset and model.
+      widen: rounds of grid widening: after the arms, every cell whose tuned learning rate is the smallest or largest
+        of 3 or more tried there runs that variant again one grid step further out (the step the grid's two outermost
+        values make), and the picks are made again; a pick still at the edge stays marked * (default 0: none).
       reference: ``reference(settings, rows) -> (label, {row: value})``: a curve drawn beside the final metric's
         lines (a theory's prediction, up to a constant: it is scaled to the best measured value at each row, their
         median ratio).
@@ -265,12 +268,14 @@ class Study:
     also: tuple[str, ...] = ()
     tune_by: str = "train_error"
     problem: Callable[[Settings], Problem] | None = None
+    widen: int = 0
     reference: Callable[[Settings, list[Any]], tuple[str, Mapping[Any, float]]] | None = None
 
     def __post_init__(self):
         for metric in (self.metric, *self.also):
             errors.choice("metric", metric, METRICS)
         errors.choice("tune_by", self.tune_by, ("train_error", "time_to_target"))
+        errors.int_at_least("widen", self.widen, 0, "--widen")
 
     def form(self, name: str) -> Settings:
         """The settings of the form ``name``."""

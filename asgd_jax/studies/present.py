@@ -34,7 +34,8 @@ def _metric_value(metric: str, r: dict[str, Any]) -> float:
     return 100 * r["test_error"] if metric == "test_error" else r["time_to_target"]
 
 
-def _cell(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
+def cell_of(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """A run's table cell: ``(facet, row, column)`` of its coordinates."""
     return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
 
 
@@ -58,7 +59,7 @@ def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str,
         return runs, {}
     groups: dict[tuple, dict[tuple, list[dict[str, Any]]]] = {}
     for r in runs:
-        groups.setdefault(_cell(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
+        groups.setdefault(cell_of(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
 
     def score(group: list[dict[str, Any]]) -> float:
         errs = np.asarray([r[study.tune_by] for r in group], np.float64)
@@ -72,13 +73,13 @@ def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str,
     return kept, picks
 
 
-def _grid_edges(study: Study, runs: list[dict[str, Any]], picks: dict[tuple, dict[str, Any]]) -> dict[tuple, set]:
+def grid_edges(study: Study, runs: list[dict[str, Any]], picks: dict[tuple, dict[str, Any]]) -> dict[tuple, set]:
     """Per cell, the tuned coordinates whose pick is the smallest or largest of 3 or more values tried there."""
     tried: dict[tuple, dict[str, set]] = {}
     for r in runs:
         for k in study.tune:
             if r.get(k) is not None:
-                tried.setdefault(_cell(study, r), {}).setdefault(k, set()).add(r[k])
+                tried.setdefault(cell_of(study, r), {}).setdefault(k, set()).add(r[k])
     return {
         cell: {k for k, v in p.items() if len(grid := tried[cell][k]) >= 3 and v in (min(grid), max(grid))}
         for cell, p in picks.items()
@@ -90,7 +91,7 @@ def _cell_values(study: Study, runs: list[dict[str, Any]], metric: str | None = 
     metric = metric or study.metric
     groups: dict[tuple, list[float]] = {}
     for r in runs:
-        groups.setdefault(_cell(study, r), []).append(_metric_value(metric, r))
+        groups.setdefault(cell_of(study, r), []).append(_metric_value(metric, r))
     cells = {k: tuple(float(x) for x in metrics_lib.mean_std(np.asarray(v))) for k, v in groups.items()}
     if metric == "speedup":
         base_runs = [r for r in runs if all(r.get(k) == v for k, v in (study.baseline or {}).items())]
@@ -148,7 +149,7 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
             lines += ["", "—: the target was not reached within the budget (in at least one seed)."]
     if picks:
-        edges = _grid_edges(study, runs, picks)
+        edges = grid_edges(study, runs, picks)
         by = "training error" if study.tune_by == "train_error" else "time to target"
         lines += ["", f"The tuned settings picked (lowest {by} over {', '.join(study.tune)})"]
         marked = {

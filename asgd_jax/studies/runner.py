@@ -348,6 +348,8 @@ def run(
         results = _run_on_ray(study, s, quick, arms, found, kept, progress, ray_address, done, runs_per_task)
         for i, arm in enumerate(arms):  # the results in arm order, whatever order the tasks finished in
             finished(arm, *results[i], tell=False)
+        if study.widen:  # the few widened arms run here, after the cluster's
+            _widen(study, s, arms, _setup(study, s, arms, progress), progress, finished, runs)
         return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
     setup = _setup(study, s, arms, progress)
     # Every arm still to run is checked before any runs.
@@ -371,7 +373,56 @@ def run(
             finished(arm, arm_runs, arm_curves)
     finally:
         ahead.shutdown(wait=False, cancel_futures=True)
+    _widen(study, s, arms, setup, progress, finished, runs)
     return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+
+
+def widened_arms(study: Study, s: Settings, arms: list[Arm], runs: list[dict[str, Any]]) -> list[Arm]:
+    """The arms one round of :attr:`Study.widen` adds: for every cell whose tuned ``lr`` sits at the edge of 3 or
+    more values tried there, its picked variant one grid step further out (the ratio of the grid's two outermost
+    values on that side), in a copy of the arm it came from."""
+    from asgd_jax.studies.present import best_tuned, cell_of, grid_edges  # it reads results; this module runs them
+
+    _, picks = best_tuned(study, runs)
+    out: dict[tuple, Arm] = {}
+    for cell, keys in grid_edges(study, runs, picks).items():
+        if "lr" not in keys:
+            continue
+        pick, here = picks[cell], [r for r in runs if cell_of(study, r) == cell]
+        lrs = sorted({r["lr"] for r in here if r.get("lr") is not None})
+        lr = pick["lr"]
+        new = round(lr * (lrs[-1] / lrs[-2] if lr == lrs[-1] else lrs[0] / lrs[1]), 10)
+        sample = next(r for r in here if all(r.get(k) == v for k, v in pick.items()))
+        for i, arm in enumerate(arms):
+            if any(sample.get(k) != v for k, v in arm.coords.items() if k not in arm.for_every):
+                continue
+            same = [
+                v
+                for v in arm.variants
+                if arm.label(v) == sample["label"]
+                and v.lr == lr
+                and all(sample.get(k) == c for k, c in v.coords.items())
+            ]
+            if same:
+                out.setdefault(
+                    (i, same[0].label, tuple(same[0].coords.items()), new),
+                    dataclasses.replace(arm, variants=(dataclasses.replace(same[0], lr=new),)),
+                )
+                break
+    return list(out.values())
+
+
+def _widen(study: Study, s: Settings, arms: list[Arm], setup: _Setup, progress: bool, finished, runs) -> None:
+    """:attr:`Study.widen` rounds: the widened arms run here (after the study's own), their runs join the cells."""
+    for _ in range(study.widen):
+        extra = widened_arms(study, s, arms, runs)
+        if not extra:
+            return
+        log.info("widening %s: %d edge picks run one grid step further out", study.name, len(extra))
+        for arm in extra:
+            prepared = _prepare_arm(s, arm, setup, progress)
+            finished(arm, *_arm_results(s, prepared, prepared.sweep.run(), setup))
+        arms = [*arms, *extra]
 
 
 ARMS = "arms"  # the folder of a study's finished arms, under its output folder
