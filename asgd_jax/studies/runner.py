@@ -359,15 +359,21 @@ def run(
     # compilation releases Python's lock, so the time a study waits for the compiler shrinks to its first arm's.
     threads = max(1, min(2, (os.cpu_count() or 1) - 1))  # beside the compute: two threads need three cores
     ahead = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="asgd_jax-compile")
+    # Only COMPILE_AHEAD arms are compiled ahead of the one computing, and an arm's programs are let go once it ran (the
+    # simulator's own cache keeps its 32 newest): a study of a hundred arms holding every compiled program ran out of
+    # memory maps in LLVM (a segfault).
+    todo, compiled = [i for i in range(len(arms)) if i in prepared], {}
     try:
-        compiled = {i: ahead.submit(arm_run.sweep.compile) for i, arm_run in prepared.items()}
         for i, arm in enumerate(arms):
             if i in found:
                 finished(arm, *found[i])
                 continue
+            for j in todo[todo.index(i) : todo.index(i) + 1 + COMPILE_AHEAD]:
+                if j not in compiled:
+                    compiled[j] = ahead.submit(prepared[j].sweep.compile)
             result = prepared[i].sweep.run()  # waits for its compilation if it is still under way
-            compiled[i].result()
-            arm_runs, arm_curves = _arm_results(s, prepared[i], result, setup)
+            compiled.pop(i).result()
+            arm_runs, arm_curves = _arm_results(s, prepared.pop(i), result, setup)
             if kept is not None:
                 kept.keep(i, arm_runs, arm_curves)
             finished(arm, arm_runs, arm_curves)
@@ -426,6 +432,7 @@ def _widen(study: Study, s: Settings, arms: list[Arm], setup: _Setup, progress: 
 
 
 ARMS = "arms"  # the folder of a study's finished arms, under its output folder
+COMPILE_AHEAD = 2  # arms compiled ahead of the one computing
 BACKENDS = ("local", "ray")
 MAX_RETRIES = 3  # a Ray task whose worker died is run again this many times
 
