@@ -161,6 +161,7 @@ def test_the_leaderboard_grid_is_the_issues():
         and study.quick.model == "cnn"
     )
     assert study.tune == ("lr", "lambda") and (study.metric, study.also) == ("time_to_target", ("test_error",))
+    assert study.widen == 1  # an edge pick runs once more, one grid step further out
 
 
 def test_a_mix_of_rules_in_one_arm_gives_each_rule_its_own_runs():
@@ -311,3 +312,25 @@ def test_widening_runs_an_edge_pick_one_grid_step_further_out():
     assert pick in (0.04, 0.08) and pick > 0.02
     with pytest.raises(ConfigError, match="widen"):
         dataclasses.replace(study, widen=-1)
+
+
+def test_a_study_compiles_only_a_few_arms_ahead_of_the_one_computing():
+    """A long study neither compiles all its arms at once nor keeps them: when arm i finishes, no more than
+    COMPILE_AHEAD arms beyond it have been compiled (a hundred arms held at once ran LLVM out of memory maps)."""
+    from helpers.compiles import compilations
+
+    from asgd_jax.studies import runner
+
+    arms = [studies.Arm({"M": m}, Plan(m), variants=(studies.Variant("ASGD", lr=0.1),)) for m in (2, 3, 4, 5, 6, 7)]
+    settings = dataclasses.replace(TINY, seeds=(0, 1))
+    study = studies.Study("ahead", "ahead", "", settings, settings, arms=lambda s, q: arms)
+    seen = []
+    with compilations() as compiled:
+        studies.run(
+            study,
+            settings=settings,
+            progress=False,
+            on_arm=lambda a, r, c: seen.append(sum(n for name, n in compiled.items() if name == "simulator_chunk")),
+        )
+    assert len(seen) == len(arms)
+    assert all(n <= i + 1 + runner.COMPILE_AHEAD for i, n in enumerate(seen)), seen
