@@ -440,12 +440,17 @@ MAX_RETRIES = 3  # a Ray task whose worker died is run again this many times
 def run_arm(study: Study, settings: Settings, quick: bool, index: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One arm of a study, alone: its data, model and warm start made as :func:`run` makes them, its sweep run; its
     rows of the results and its mean curves (what a Ray task of ``run(backend="ray")`` computes)."""
+    prepared, setup = _arm_alone(study, settings, quick, index)
+    return _arm_results(settings, prepared, prepared.sweep.run(), setup)
+
+
+def _arm_alone(study: Study, settings: Settings, quick: bool, index: int) -> tuple[_ArmRun, _Setup]:
+    """Arm ``index`` of ``study`` bound to its sweep, with its setup made as :func:`run` makes it (a Ray task's)."""
     cache.enable()  # a Ray worker reuses the programs other workers (and runs) compiled
     arms = study.arms(settings, quick)
     errors.require(0 <= index < len(arms), "index", index, f"the study has {len(arms)} arms")
     setup = _setup(study, settings, arms, progress=False)
-    prepared = _prepare_arm(settings, arms[index], setup, progress=False)
-    return _arm_results(settings, prepared, prepared.sweep.run(), setup)
+    return _prepare_arm(settings, arms[index], setup, progress=False), setup
 
 
 def seed_groups(seeds: tuple[int, ...], variants: int, runs_per_task: int | None) -> list[tuple[int, ...]]:
@@ -470,12 +475,7 @@ def seed_groups(seeds: tuple[int, ...], variants: int, runs_per_task: int | None
 def run_arm_part(study: Study, settings: Settings, quick: bool, index: int, seeds: tuple[int, ...]) -> dict[str, Any]:
     """One arm's runs of ``seeds`` (a Ray task of a split arm): its plan, and its sweep's per-run metrics, which
     :func:`run` joins along the runs axis into the arm's results."""
-    cache.enable()
-    arms = study.arms(settings, quick)
-    errors.require(0 <= index < len(arms), "index", index, f"the study has {len(arms)} arms")
-    part = dataclasses.replace(settings, seeds=tuple(seeds))
-    setup = _setup(study, part, arms, progress=False)
-    prepared = _prepare_arm(part, arms[index], setup, progress=False)
+    prepared, setup = _arm_alone(study, dataclasses.replace(settings, seeds=tuple(seeds)), quick, index)
     return {"plan": prepared.plan, "metrics": prepared.sweep.run().metrics, "num_examples": setup.num_examples}
 
 
