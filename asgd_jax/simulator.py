@@ -12,9 +12,11 @@ Compiled once per structure: a run is described by a :class:`asgd_jax.Plan`, and
 keyed on what shapes them (the plan's structure, the loss, the rule's structure, the shapes and dtypes of the weights
 and the data). Everything numeric is an argument: the initial weights, the key, the rule's numbers (a rule built by
 one of :mod:`asgd_jax.rules`' factories, see :mod:`asgd_jax.recipes`), the delay model's numbers, ``local_lr`` and the
-budget. A run compiles two programs: its start (the initial state and evaluation) and its chunk of
-``plan.chunk_length`` updates; a run whose budget is not a whole number of chunks also compiles (once, for any length)
-the program that runs its last, shorter part. A rule that is a closure of its own is keyed by identity: build it once.
+budget. A run compiles two programs: its start (the initial state) and its chunk of ``plan.chunk_length`` updates; a
+run whose budget is not a whole number of chunks also compiles (once, for any length) the program that runs its last,
+shorter part. With an ``eval_fn``, the evaluation is a program of its own, keyed by the eval_fn and the weights' shapes
+only: runs of other rules, clusters and plans on the same model share it. A rule that is a closure of its own is keyed
+by identity: build it once.
 
 Randomness: the run's key is split into data, delay and model keys; update t draws its delay with
 ``fold_in(delay_key, t)``. The model's randomness (dropout, augmentation) of the worker w that pushes at t uses
@@ -73,7 +75,7 @@ __all__ = [
 ]
 
 NONFINITE = ("warn", "stop", "ignore")
-PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_tail")
+PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_tail", "simulator_eval")
 """The names the simulator's compiled programs carry (in ``jax_log_compiles`` and :mod:`jax.monitoring` events)."""
 COMPILE_EVENT = "/asgd_jax/simulator/compile_duration"
 """A :mod:`jax.monitoring` duration event: one program compiled (or loaded from the persistent cache), on any thread."""
@@ -413,10 +415,8 @@ def _step(c: _Ctx, srv: server.ServerState, x: _Schedule):
     return srv, metrics
 
 
-def _evaluate(evaluate, state: SimState, eval_data: Any) -> dict[str, jax.Array]:
-    if evaluate is None:
-        return {}
-    out = evaluate(state.server.params, state.server.model_state, eval_data)
+def _evaluate(evaluate, params: Any, model_state: Any, eval_data: Any) -> dict[str, jax.Array]:
+    out = evaluate(params, model_state, eval_data)
     if not isinstance(out, Mapping):
         raise errors.ConfigError(
             f"eval_fn returned {type(out).__name__}, not a dict of scalars: return e.g. {{'error': error}}."
@@ -477,18 +477,18 @@ class _Key(NamedTuple):
 class _Program:
     """A run's compiled pieces, each compiled once per shapes of its arguments (and kept with the program).
 
-    ``start(params, model_state, eval_data, keys, hparams, numbers) -> (state, evaluation)``; ``chunk(state, data,
-    eval_data, keys, hparams, numbers, evaluate) -> (state, per-update metrics, evaluation)`` over
-    ``plan.chunk_length`` updates (the evaluation only where ``evaluate``); ``tail(..., evaluate, n)``: the same over
-    the first ``n`` updates of a chunk (a run's last, shorter part: a loop whose trip count is an argument).
+    ``start(params, model_state, keys, hparams, numbers) -> state``; ``chunk(state, data, keys, hparams, numbers) ->
+    (state, per-update metrics)`` over ``plan.chunk_length`` updates; ``tail(..., n)``: the same over the first ``n``
+    updates of a chunk (a run's last, shorter part: a loop whose trip count is an argument); or an evaluation's program,
+    ``eval(params, model_state, eval_data) -> {"eval_<name>": ...}``.
 
     :meth:`call` runs one, compiling it first if needed (ahead-of-time: ``lower(...).compile()``), so that
     :meth:`Prepared.compile` can compile a run's programs on another thread while an earlier run computes; a call that
     finds its program being compiled elsewhere waits for it instead of compiling it again.
     """
 
-    def __init__(self, jitted: dict[str, Callable], evaluates: bool):
-        self.jitted, self.evaluates = jitted, evaluates
+    def __init__(self, jitted: dict[str, Callable]):
+        self.jitted = jitted
         self._lock = threading.Lock()
         self._compiled: dict[Hashable, Any] = {}
         self._pending: dict[Hashable, threading.Event] = {}
@@ -526,6 +526,20 @@ class _Program:
         return compiled(*args)
 
 
+class _Programs(NamedTuple):
+    """A call's programs: its run's (start, chunk, tail), and its evaluation's, or None (no eval_fn)."""
+
+    run: _Program
+    evaluator: _Program | None
+
+    @property
+    def evaluates(self) -> bool:
+        return self.evaluator is not None
+
+    def evaluate(self, state: SimState, eval_data: Any) -> dict[str, jax.Array]:
+        return self.evaluator.call("eval", state.server.params, state.server.model_state, eval_data)
+
+
 def _aval_key(args: Any) -> Hashable:
     """What a compiled program is specialised to: the structure, shapes, dtypes and weak types of its arguments."""
     leaves, treedef = jax.tree.flatten(args)
@@ -540,16 +554,14 @@ def _aval_key(args: Any) -> Hashable:
     return treedef, tuple(one(x) for x in leaves)
 
 
-def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange, eval_fn, length: int) -> _Program:
+def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange, length: int) -> _Program:
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     batched = key.runs is not None
-    evaluator = None if eval_fn is None else exchange.eval_parts(eval_fn)[0]
 
-    def one_start(params, model_state, eval_data, k, h, numbers):
-        state = _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state)
-        return state, _evaluate(evaluator, state, eval_data)
+    def one_start(params, model_state, k, h, numbers):
+        return _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state)
 
-    def one_chunk(state, data, eval_data, k, h, numbers, evaluate, n=None):
+    def one_chunk(state, data, k, h, numbers, n=None):
         del k  # the run's keys were split once, at its start: they are in the state
         rule, delays = source.rule(h, numbers), source.delays(h, numbers)
         delay_key, model_key = (jax.random.wrap_key_data(w) for w in (state.keys.delay, state.keys.model))
@@ -575,18 +587,12 @@ def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange,
             clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
         if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             srv = server.pull(srv, 0)
-        state = SimState(server=srv, delay=delay_state, data=data_state, clock=clock, keys=state.keys)
-        if evaluator is None:
-            return state, metrics, {}
-        run_eval = lambda s: _evaluate(evaluator, s, eval_data)
-        shapes = jax.eval_shape(run_eval, state)
-        skip = lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-        return state, metrics, jax.lax.cond(evaluate, run_eval, skip, state)
+        return SimState(server=srv, delay=delay_state, data=data_state, clock=clock, keys=state.keys), metrics
 
-    if batched:  # the runs axis: keys and hparams per run; data, numbers and the flags shared
-        start = jax.vmap(one_start, in_axes=(None, None, None, 0, 0, None))
-        chunk = jax.vmap(one_chunk, in_axes=(0, None, None, 0, 0, None, None))
-        tail = jax.vmap(one_chunk, in_axes=(0, None, None, 0, 0, None, None, None))
+    if batched:  # the runs axis: keys and hparams per run; data, numbers and the trip count shared
+        start = jax.vmap(one_start, in_axes=(None, None, 0, 0, None))
+        chunk = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None))
+        tail = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None, None))
     else:
         start, chunk, tail = one_start, one_chunk, one_chunk
     jitted = {
@@ -594,7 +600,17 @@ def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange,
         "chunk": jax.jit(_named(chunk, PROGRAM_NAMES[1]), donate_argnums=0),
         "tail": jax.jit(_named(tail, PROGRAM_NAMES[2]), donate_argnums=0),
     }
-    return _Program(jitted, evaluates=eval_fn is not None)
+    return _Program(jitted)
+
+
+def _make_evaluator(eval_fn, batched: bool) -> _Program:
+    """The evaluation's own program, ``(params, model_state, eval_data) -> {"eval_<name>": ...}``: one per eval_fn,
+    weights' shapes and run count, shared by every program that evaluates them (a study's arms of one model and
+    grid size compile it once, not once per rule and cluster)."""
+    evaluate = exchange.eval_parts(eval_fn)[0]
+    one = lambda params, model_state, eval_data: _evaluate(evaluate, params, model_state, eval_data)
+    fn = jax.vmap(one, in_axes=(0, 0, None)) if batched else one
+    return _Program({"eval": jax.jit(_named(fn, PROGRAM_NAMES[3]))})
 
 
 def _named(fn: Callable, name: str) -> Callable:
@@ -757,7 +773,7 @@ def _numbers(plan: Plan, rule_numbers: Any, delay_numbers: Any) -> dict[str, Any
 
 def _prepare(
     loss_fn, params, data, plan: Plan, model_state, has_aux: bool, eval_fn, source: _Source, runs, first_delays
-) -> tuple[_Program, Exchange]:
+) -> tuple[_Programs, Exchange]:
     """Checks what a call's program needs (on a cache miss: tracing the loss) and returns the program."""
     if eval_fn is not None and not callable(eval_fn):
         raise errors.ConfigError(f"eval_fn={eval_fn!r} is invalid: give eval_fn(params, model_state) -> dict.")
@@ -771,15 +787,18 @@ def _prepare(
     exchange.check_params(params)
     model_state = {} if model_state is None else model_state
     plan_key = plan.structure()._replace(delays=None)  # the delay model's structure is in the source's key
-    eval_data = None if eval_fn is None else exchange.eval_parts(eval_fn)[1]
-    avals = _avals(params, model_state, data, eval_data)
-    key = _Key(loss, eval_fn, source.rule_key, source.delays_key, plan_key, ex, avals, runs)
+    evaluator = None
+    if eval_fn is not None:  # keyed by what the evaluation depends on only: the rule and the cluster are not in it
+        eval_avals = _avals(params, model_state, exchange.eval_parts(eval_fn)[1])
+        eval_key = _Key(None, eval_fn, None, None, None, None, eval_avals, runs)
+        evaluator = _program(eval_key, lambda: _make_evaluator(eval_fn, runs is not None))
+    key = _Key(loss, None, source.rule_key, source.delays_key, plan_key, ex, _avals(params, model_state, data), runs)
 
     def build() -> _Program:
         loss.check(params, model_state, exchange.batch_shapes(data, plan.batch_size))
-        return _make_program(key, loss, source, ex, eval_fn, plan.chunk_length)
+        return _make_program(key, loss, source, ex, plan.chunk_length)
 
-    return _program(key, build), ex
+    return _Programs(_program(key, build), evaluator), ex
 
 
 def _recipe_source(rule: Any, delays_source: tuple[Callable, Hashable], hp_names: Sequence[str]) -> tuple:
@@ -839,7 +858,7 @@ class _Call(NamedTuple):
     runs: int | None = None  # a sharded sweep's own runs (the rest pad the runs axis to the devices)
 
 
-def _header(call: _Call, program: _Program) -> dict[str, Any]:
+def _header(call: _Call) -> dict[str, Any]:
     """What a checkpoint must match to be resumed by this call."""
     p = call.plan
     return {
@@ -867,67 +886,72 @@ def _resume(path: str, template: Any, header: dict[str, Any], axis: int) -> tupl
     return state, _Progress(done, [metrics] if metrics else [], evals, eval_updates, done)
 
 
-def _compile_updates(program: _Program, c: _Call) -> None:
+def _start_shape(run: _Program, c: _Call) -> SimState:
+    return jax.eval_shape(run.jitted["start"], c.params, c.model_state, c.keys, c.hparams, c.numbers)
+
+
+def _compile_updates(programs: _Programs, c: _Call) -> None:
     """Compiles the chunk (and the shorter last part's program, if the budget needs it) of a call; a failure is left
     for the call itself to meet and report, when it runs the program."""
     try:
-        state = jax.eval_shape(
-            program.jitted["start"], c.params, c.model_state, c.eval_data, c.keys, c.hparams, c.numbers
-        )
-        state = state[0]
-        args = (c.data, c.eval_data, c.keys, c.hparams, c.numbers, np.bool_(0))
+        state = _start_shape(programs.run, c)
+        args = (c.data, c.keys, c.hparams, c.numbers)
         if c.plan.num_updates >= c.plan.chunk_length:
-            program.compiled("chunk", state, *args)
+            programs.run.compiled("chunk", state, *args)
         if c.plan.num_updates % c.plan.chunk_length:
-            program.compiled("tail", state, *args, np.int32(0))
+            programs.run.compiled("tail", state, *args, np.int32(0))
     except Exception:
         return
 
 
-def _run(program: _Program, call: _Call) -> SimulationResult:
+def _compile_eval(programs: _Programs, c: _Call) -> None:
+    if programs.evaluates:
+        state = _start_shape(programs.run, c)
+        programs.evaluator.compiled("eval", state.server.params, state.server.model_state, c.eval_data)
+
+
+def _run(programs: _Programs, call: _Call) -> SimulationResult:
     with interrupts.watch():
-        return _chunks(program, call)
+        return _chunks(programs, call)
 
 
-def _chunks(program: _Program, call: _Call) -> SimulationResult:
-    plan, axis = call.plan, (1 if call.batched else 0)
+def _chunks(programs: _Programs, call: _Call) -> SimulationResult:
+    plan, axis, program = call.plan, (1 if call.batched else 0), programs.run
     args = (call.keys, call.hparams, call.numbers)
     path = None if call.checkpoint_dir is None else os.path.join(call.checkpoint_dir, "simulator.npz")
-    header = _header(call, program)
+    header = _header(call)
     so_far = _Progress()
     if path is not None and os.path.exists(path):
-        template = program.compiled("start", call.params, call.model_state, call.eval_data, *args).out_info[0]
+        template = program.compiled("start", call.params, call.model_state, *args).out_info
         state, so_far = _resume(path, template, header, axis)
     else:
-        # The update programs compile on a thread of their own while this one compiles and runs the start: on a
-        # machine with two cores the first call waits for the larger of the two compilations, not their sum.
-        threading.Thread(target=_compile_updates, args=(program, call), daemon=True).start()
-        state, first = program.call("start", call.params, call.model_state, call.eval_data, *args)
-        if program.evaluates:
-            so_far.evals, so_far.eval_updates = [jax.device_get(first)], [0]
+        # The update programs compile on a thread of their own while this one compiles and runs the start and the
+        # first evaluation: on a machine with two cores the first call waits for the larger of the two, not the sum.
+        threading.Thread(target=_compile_updates, args=(programs, call), daemon=True).start()
+        state = program.call("start", call.params, call.model_state, *args)
+        if programs.evaluates:
+            so_far.evals, so_far.eval_updates = [jax.device_get(programs.evaluate(state, call.eval_data))], [0]
     bar = _bar(call.progress, plan.num_updates, so_far.done, call.description)
     chunk, every = plan.chunk_length, plan.eval_interval()
     warned = [False]
-    over = _past_budget(plan, state, so_far, program.evaluates)  # a resumed run may be over already
+    over = _past_budget(plan, state, so_far, programs.evaluates)  # a resumed run may be over already
     try:
         while so_far.done < plan.num_updates and not over:
             interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             length = min(chunk, plan.num_updates - so_far.done)
             end = so_far.done + length
-            evaluate = np.bool_(program.evaluates and (end % every == 0 or end == plan.num_updates))
             if length == chunk:
-                state, metrics, ev = program.call("chunk", state, call.data, call.eval_data, *args, evaluate)
+                state, metrics = program.call("chunk", state, call.data, *args)
             else:
-                tail_args = (state, call.data, call.eval_data, *args, evaluate, np.int32(length))
-                state, metrics, ev = program.call("tail", *tail_args)
+                state, metrics = program.call("tail", state, call.data, *args, np.int32(length))
+            if programs.evaluates and (end % every == 0 or end == plan.num_updates):
+                so_far.evals.append(jax.device_get(programs.evaluate(state, call.eval_data)))
+                so_far.eval_updates.append(end)
             metrics = {k: np.take(v, np.arange(length), axis=axis) for k, v in jax.device_get(metrics).items()}
             so_far.chunks.append(metrics)
-            if evaluate:
-                so_far.evals.append(jax.device_get(ev))
-                so_far.eval_updates.append(end)
             so_far.done = end
             _check_finite(metrics, end, call.on_nonfinite, warned)
-            over = _past_budget(plan, state, so_far, program.evaluates)
+            over = _past_budget(plan, state, so_far, programs.evaluates)
             if path is not None and (
                 end - so_far.saved >= (plan.checkpoint_every or 1) or over or end == plan.num_updates
             ):
@@ -1121,9 +1145,9 @@ def lower(
 ) -> jax.stages.Lowered:
     """The program :func:`simulate` compiles for a chunk of ``plan.chunk_length`` updates, lowered, for inspection.
 
-    The program is ``(state, data, key, hparams, numbers, evaluate) -> (state, metrics, evaluation)`` with the state
-    donated; ``.compile()`` gives its optimised HLO (``.as_text()``), cost and memory analyses, so one can check what an
-    update costs (see ARCHITECTURE.md, "What a step costs").
+    The program is ``(state, data, key, hparams, numbers) -> (state, metrics)`` with the state donated;
+    ``.compile()`` gives its optimised HLO (``.as_text()``), cost and memory analyses, so one can check what an update
+    costs (see ARCHITECTURE.md, "What a step costs").
 
     Example:
       >>> import jax, jax.numpy as jnp, asgd_jax
@@ -1138,11 +1162,11 @@ def lower(
     _check_rule(rule)
     delays_source, delay_numbers = _plan_delays(plan)
     source, rule_numbers = _recipe_source(rule, delays_source, ())
-    program, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, None, source, None, plan.delays)
+    programs, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, None, source, None, plan.delays)
     model_state = {} if model_state is None else model_state
     numbers = _numbers(plan, rule_numbers, delay_numbers)
-    state = jax.eval_shape(program.jitted["start"], params, model_state, None, key, {}, numbers)[0]
-    return program.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), None, key, {}, numbers, np.bool_(0))
+    state = jax.eval_shape(programs.run.jitted["start"], params, model_state, key, {}, numbers)
+    return programs.run.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), key, {}, numbers)
 
 
 def sweep(*args: Any, **kwargs: Any) -> SimulationResult:
@@ -1196,14 +1220,16 @@ class Prepared(NamedTuple):
     (compiling what is not compiled yet, or waiting for a compilation in progress).
     """
 
-    program: _Program
+    program: _Programs
     call: _Call
 
     def compile(self) -> None:
-        """Compiles the programs this call will run: its start, its chunk, and the program of its last, shorter part
-        when the budget is not a whole number of chunks."""
+        """Compiles the programs this call will run: its start, its evaluation (shared with other calls that evaluate
+        the same eval_fn on the same weights' shapes), its chunk, and the program of its last, shorter part when the
+        budget is not a whole number of chunks."""
         c = self.call
-        self.program.compiled("start", c.params, c.model_state, c.eval_data, c.keys, c.hparams, c.numbers)
+        self.program.run.compiled("start", c.params, c.model_state, c.keys, c.hparams, c.numbers)
+        _compile_eval(self.program, c)
         _compile_updates(self.program, c)
 
     def run(self) -> SimulationResult:

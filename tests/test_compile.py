@@ -52,7 +52,8 @@ def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
                 lsq_loss, rule, jnp.asarray(w0), DATA, plan, key=jax.random.key(seed), eval_fn=eval_fn, progress=False
             )
             finals.append(np.asarray(result.params))
-    assert _simulator(counts) == {"simulator_start": 1, "simulator_chunk": 1, "simulator_tail": 1}, counts
+    expected = {"simulator_start": 1, "simulator_chunk": 1, "simulator_tail": 1, "simulator_eval": 1}
+    assert _simulator(counts) == expected, counts
     assert len({f.tobytes() for f in finals}) == len(calls)  # every call's numbers reached its run
 
 
@@ -154,9 +155,10 @@ def test_the_last_shorter_chunk_is_bit_for_bit_the_same_updates(chunk):
         np.testing.assert_array_equal(whole.metrics[name], cut.metrics[name], err_msg=name)
 
 
-def test_a_study_compiles_two_programs_per_arm():
-    """`asgd-jax ablate`: each arm compiles its start and its chunk (its evaluation is inside them), and no program of
-    a shorter last chunk (a study's budget is a whole number of evaluation intervals)."""
+def test_a_study_compiles_two_programs_per_arm_and_one_evaluation_per_run_count():
+    """`asgd-jax ablate`: each arm compiles its start and its chunk, and no program of a shorter last chunk (a study's
+    budget is a whole number of evaluation intervals); the evaluation is shared by every arm of the same number of
+    runs (one model, one eval_fn), whatever its rule and cluster."""
     from asgd_jax import studies
 
     tiny = dict(dataset="digits", seeds=(0, 1), epochs=0.5, evals=2, window=10, workers=(1, 2))
@@ -165,4 +167,7 @@ def test_a_study_compiles_two_programs_per_arm():
     with compilations() as counts:
         result = studies.ablate(progress=False, **tiny)
     assert len(arms) == 3 and len(result.runs) == 2 * 5
-    assert _simulator(counts) == {"simulator_start": len(arms), "simulator_chunk": len(arms)}, counts
+    run_counts = {len(a.variants) * 2 for a in arms}
+    assert len(run_counts) == 2  # M = 1 and SSGD: 2 runs; the asynchronous arm: 3 rules x 2 seeds
+    expected = {"simulator_start": len(arms), "simulator_chunk": len(arms), "simulator_eval": len(run_counts)}
+    assert _simulator(counts) == expected, counts
