@@ -16,13 +16,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
 import io
 import os
+import zipfile
 from collections.abc import Callable
 
 import numpy as np
 
-from asgd_jax import errors
+from asgd_jax import cache, errors
 
 __all__ = [
     "EMBEDDED",
@@ -109,8 +112,44 @@ def _digits(seed: int) -> Dataset:
     return Dataset("digits", x_tr, y_tr, x_te, y_te, num_classes=10)
 
 
-@functools.cache
-def _mnist1d(seed: int) -> Dataset:
+_MNIST1D_ARRAYS = ("x", "y", "x_test", "y_test")
+
+
+def _checksum(arrays: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}{a.dtype.str}{a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def _read_kept(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+    """The arrays kept in ``path``, or None when it is missing, unreadable or does not match its checksum."""
+    try:
+        with np.load(path, allow_pickle=False) as kept:
+            arrays = {n: kept[n] for n in names}
+            ok = str(kept["checksum"]) == _checksum(arrays)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    return arrays if ok else None
+
+
+def _keep(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Writes ``arrays`` to ``path`` with their checksum, atomically; a folder that cannot be written (read-only, disk
+    full) keeps nothing, and the caller regenerates next time."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, checksum=np.asarray(_checksum(arrays)), **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def _generate_mnist1d(seed: int) -> dict[str, np.ndarray]:
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
@@ -121,6 +160,23 @@ def _mnist1d(seed: int) -> Dataset:
         raw = make_dataset(args)
     finally:
         np.random.set_state(saved)  # noqa: NPY002
+    return {n: np.asarray(raw[n]) for n in _MNIST1D_ARRAYS}
+
+
+@functools.cache
+def _mnist1d(seed: int) -> Dataset:
+    # Generating takes ~3 s on two cores: kept on disk (see asgd_jax.cache.data_folder), keyed by the generator's
+    # version and NumPy's, checked against its checksum on every read.
+    folder = cache.data_folder()
+    raw = None
+    if folder is not None:
+        version = f"{importlib.metadata.version('mnist1d')}-np{np.__version__}"
+        path = os.path.join(folder, f"mnist1d-seed{seed}-{version}.npz")
+        raw = _read_kept(path, _MNIST1D_ARRAYS)
+    if raw is None:
+        raw = _generate_mnist1d(seed)
+        if folder is not None:
+            _keep(path, raw)
     x_tr, x_te = _standardise(raw["x"][..., None], raw["x_test"][..., None])
     return Dataset(
         "mnist1d",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +52,68 @@ def test_mnist1d_leaves_numpy_global_state_alone():
     asgd_jax.data.clear_cache()
     asgd_jax.data.load("mnist1d")
     np.testing.assert_array_equal(np.random.get_state()[1], before)  # noqa: NPY002
+
+
+def _generated(monkeypatch) -> list[int]:
+    """Counts MNIST-1D generations (the real generator still runs)."""
+    import mnist1d.data
+
+    calls, real = [], mnist1d.data.make_dataset
+    monkeypatch.setattr(mnist1d.data, "make_dataset", lambda args: calls.append(args.seed) or real(args))
+    return calls
+
+
+def test_mnist1d_is_generated_once_and_read_back_from_disk_identical(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASGD_JAX_CACHE_DIR", str(tmp_path))
+    generated = _generated(monkeypatch)
+    asgd_jax.data.clear_cache()
+    first = asgd_jax.data.load("mnist1d")
+    assert [p.name.split("-")[:2] for p in (tmp_path / "datasets").iterdir()] == [["mnist1d", "seed0"]]
+    asgd_jax.data.clear_cache()
+    again = asgd_jax.data.load("mnist1d")
+    assert generated == [42]  # the second load read the kept file
+    for a, b in zip(dataclasses.astuple(first), dataclasses.astuple(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fault", ["truncate", "flip", "empty"])
+def test_a_damaged_kept_dataset_is_regenerated_not_used(tmp_path, monkeypatch, fault):
+    monkeypatch.setenv("ASGD_JAX_CACHE_DIR", str(tmp_path))
+    asgd_jax.data.clear_cache()
+    reference = asgd_jax.data.load("mnist1d", seed=1)
+    (kept,) = (tmp_path / "datasets").iterdir()
+    raw = kept.read_bytes()
+    damaged = {"truncate": raw[: len(raw) // 2], "flip": bytearray(raw), "empty": b""}[fault]
+    if fault == "flip":  # one bit in the middle of an array's bytes
+        damaged[len(raw) // 2] ^= 0x10
+    kept.write_bytes(bytes(damaged))
+    generated = _generated(monkeypatch)
+    asgd_jax.data.clear_cache()
+    again = asgd_jax.data.load("mnist1d", seed=1)
+    assert generated == [43]
+    np.testing.assert_array_equal(again.x_train, reference.x_train)
+    np.testing.assert_array_equal(again.y_test, reference.y_test)
+    assert kept.read_bytes() == raw  # rewritten whole
+
+
+def test_a_full_disk_keeps_nothing_and_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASGD_JAX_CACHE_DIR", str(tmp_path))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    asgd_jax.data.clear_cache()
+    ds = asgd_jax.data.load("mnist1d", seed=2)
+    assert len(ds.y_train) == 4000 and list((tmp_path / "datasets").iterdir()) == []  # no partial file left
+
+
+def test_no_dataset_is_kept_when_the_cache_is_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASGD_JAX_CACHE_DIR", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    asgd_jax.data.clear_cache()
+    asgd_jax.data.load("mnist1d", seed=3)
+    assert asgd_jax.cache.data_folder() is None and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("name", "seed"), [("cifar10", 0), ("digits", -1)])
