@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asgd_jax import delays, studies
 from asgd_jax.cli import main
@@ -201,6 +203,7 @@ def _leaderboard_runs() -> list[dict]:
                         "train_error": err,
                         "test_error": err + 0.01 * seed,
                         "time_to_target": 10.0 * lr,
+                        "virtual_time": 3.0 + seed,  # every lr: the clock does not depend on it
                     }
                 )
             runs.append(
@@ -213,6 +216,7 @@ def _leaderboard_runs() -> list[dict]:
                     "train_error": 0.1,
                     "test_error": 0.1,
                     "time_to_target": 5.0,
+                    "virtual_time": 12.0,
                 }
             )
     return runs
@@ -230,11 +234,59 @@ def test_best_tuned_picks_by_training_error_and_a_diverged_setting_never_wins():
     assert studies.best_tuned(untuned, runs) == (runs, {})  # without tune: every run, no picks
 
 
+def test_equal_time_gives_every_rule_of_a_column_one_budget():
+    """The leaderboard's headline: a column's budget is its earliest run end (3.0: rule A's seed 0); SGD reaches the
+    target at 5.0, after it, so it shows "—" there, though it would within its own (longer) budget of epochs."""
+    study = studies.load("staleness_leaderboard")
+    assert study.equal_time
+    runs = _leaderboard_runs()
+    assert studies.time_budgets(study, runs) == {("uniform", 4): 3.0, ("slow", 4): 3.0}
+    within = studies.within_budgets(study, runs)
+    late = [r["time_to_target"] > 3.0 for r in runs]  # SGD's 5.0 and rule A's lr 0.4 (4.0)
+    assert [math.isnan(r["time_to_target"]) for r in within] == late and sum(late) == 8
+    assert all(a == b for a, b, gone in zip(within, runs, late, strict=True) if not gone)
+    table = studies.format_table(study, runs, 2)
+    headline = table.split("final test error")[0]
+    assert "| SGD | — |" in headline and "| A | 2.00 ± 0.00 |" in headline and "| budget | 3.0 |" in headline
+    own = studies.format_table(dataclasses.replace(study, equal_time=False), runs, 2)
+    assert "| SGD | 5.00 ± 0.00 |" in own and "budget" not in own
+    assert studies.time_budgets(dataclasses.replace(study, equal_time=False), runs) == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["A", "B", "C"]),
+            st.sampled_from([4, 16]),
+            st.floats(0.1, 100.0),
+            st.one_of(st.just(math.nan), st.floats(0.0, 100.0)),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_within_budgets_only_ever_drops_a_crossing_after_its_columns_budget(rows):
+    study = studies.load("staleness_leaderboard")
+    runs = [
+        {"label": rule, "M": m, "cluster": "uniform", "virtual_time": end, "time_to_target": min(t, end)}
+        for rule, m, end, t in rows
+    ]
+    budgets = studies.time_budgets(study, runs)
+    for before, after in zip(runs, studies.within_budgets(study, runs), strict=True):
+        budget = budgets[("uniform", before["M"])]
+        assert budget <= before["virtual_time"]
+        if before["time_to_target"] <= budget:
+            assert after == before
+        else:
+            assert math.isnan(after["time_to_target"])
+
+
 def test_facets_give_one_table_each_with_both_metrics_and_the_picks():
     study = studies.load("staleness_leaderboard")
     table = studies.format_table(study, _leaderboard_runs(), 2)
     for cluster in ("uniform", "slow"):
-        assert table.count(f"cluster = {cluster}") == 3  # test error, time to target, picks
+        assert table.count(f"cluster = {cluster}") == 4  # time to target, its budgets, test error, picks
     assert "| A | 20.50 ± 0.71 |" in table  # lr 0.2's runs: test errors 0.20 and 0.21
     assert "| A | 2.00 ± 0.00 |" in table  # its time to target
     assert "| A | lr 0.2 |" in table and "| SGD | lr 0.1 |" in table  # 0.2: inside A's grid; SGD: one value

@@ -12,7 +12,9 @@ workers: uniform (exponential compute times), half the cluster at half speed, a 
 every gradient is M - 1 updates stale, round robin) and fixed heterogeneous times 1 + sqrt(i) (the optimal-time
 papers' cluster). Each rule's learning rate (and DC-ASGD's lambda_0) is tuned on a small grid in the same sweep; a
 cell shows the setting with the lowest final training error. The headline table is the virtual time to the target
-training error within each run's budget of effective epochs ("—": not reached); the second, the final test error at
+training error under one fixed virtual-time budget per column (M and cluster), the same for every rule: the time at
+which the column's earliest-finishing run ended its budget of effective epochs ("—": not reached by then; every run
+ran at least that long, and a rule that is slower per epoch gets no more time); the second, the final test error at
 that equal number of epochs. A pick at the edge of its grid is marked with * in the picks table.
 
 Command:   asgd-jax run staleness_leaderboard --quick --out results/staleness_leaderboard   (its time: the README)
@@ -130,4 +132,5 @@ STUDY = Study(
     metric="time_to_target",
     also=("test_error",),
     curves_x=(),
+    equal_time=True,
 )

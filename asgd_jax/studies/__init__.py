@@ -42,6 +42,8 @@ from asgd_jax.studies.present import (
     plot_panels,
     report,
     save,
+    time_budgets,
+    within_budgets,
 )
 from asgd_jax.studies.runner import (
     BACKENDS,
@@ -84,6 +86,8 @@ __all__ = [
     "save",
     "schedule",
     "seed_groups",
+    "time_budgets",
     "time_to_target",
     "widened_arms",
+    "within_budgets",
 ]

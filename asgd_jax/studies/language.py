@@ -246,6 +246,10 @@ class Study:
       reference: ``reference(settings, rows) -> (label, {row: value})``: a curve drawn beside the final metric's
         lines (a theory's prediction, up to a constant: it is scaled to the best measured value at each row, their
         median ratio).
+      equal_time: the time to target is measured under one virtual-time budget per column (and facet value), the
+        same for every row (rule) there: the time at which the column's earliest-finishing run ended its budget of
+        epochs, so that every run of the column ran at least that long; a crossing later does not count. Without it,
+        each run's own budget of epochs bounds its time to target (a slower rule is given more time).
     """
 
     name: str
@@ -270,6 +274,7 @@ class Study:
     problem: Callable[[Settings], Problem] | None = None
     widen: int = 0
     reference: Callable[[Settings, list[Any]], tuple[str, Mapping[Any, float]]] | None = None
+    equal_time: bool = False
 
     def __post_init__(self):
         for metric in (self.metric, *self.also):

@@ -34,6 +34,42 @@ def _metric_value(metric: str, r: dict[str, Any]) -> float:
     return 100 * r["test_error"] if metric == "test_error" else r["time_to_target"]
 
 
+def time_budgets(study: Study, runs: list[dict[str, Any]]) -> dict[tuple[Any, Any], float]:
+    """With :attr:`Study.equal_time`, each column's virtual-time budget: ``{(facet, column): T}``, T the earliest end
+    of a run there (every run of the column covers ``[0, T]``); without it, none.
+
+    Example:
+      >>> import dataclasses
+      >>> from asgd_jax import studies
+      >>> study = dataclasses.replace(studies.load("staleness_leaderboard"), equal_time=True)
+      >>> runs = [{"label": rule, "M": 4, "cluster": "uniform", "virtual_time": t} for rule, t in [("ASGD", 90.0),
+      ...         ("SSGD", 240.0), ("ASGD", 93.5)]]
+      >>> studies.time_budgets(study, runs)
+      {('uniform', 4): 90.0}
+    """
+    if not study.equal_time:
+        return {}
+    budgets: dict[tuple[Any, Any], float] = {}
+    for r in runs:
+        facet, _, column = cell_of(study, r)
+        budgets[(facet, column)] = min(budgets.get((facet, column), math.inf), float(r["virtual_time"]))
+    return budgets
+
+
+def within_budgets(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs with a time to target past their column's budget (:func:`time_budgets`) made "not reached" (NaN);
+    the runs themselves unchanged without :attr:`Study.equal_time`."""
+    budgets = time_budgets(study, runs)
+    if not budgets:
+        return runs
+    out = []
+    for r in runs:
+        facet, _, column = cell_of(study, r)
+        late = r.get("time_to_target", math.nan) > budgets[(facet, column)]
+        out.append({**r, "time_to_target": math.nan} if late else r)
+    return out
+
+
 def cell_of(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
     """A run's table cell: ``(facet, row, column)`` of its coordinates."""
     return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
@@ -128,6 +164,8 @@ def _grid(study: Study, cells: dict[tuple, Any], text: Callable[[Any], str]) -> 
 def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> str:
     """The study's Markdown table(s) (mean ± std over seeds): one per facet value and metric, the tuned picks, and the
     paper's numbers beside ours when given."""
+    budgets = time_budgets(study, runs)
+    runs = within_budgets(study, runs)
     kept, picks = best_tuned(study, runs)
     lines: list[str] = []
     for metric in (study.metric, *study.also):
@@ -148,6 +186,10 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         lines += ([] if study.facet else [""]) + _grid(study, cells, text)
         if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
             lines += ["", "—: the target was not reached within the budget (in at least one seed)."]
+        if metric in ("time_to_target", "speedup") and budgets:
+            lines += ["", "The budget of each column (virtual time, the same for every rule there: when its earliest"]
+            lines += ["run ended its epochs)"]
+            lines += ([] if study.facet else [""]) + _budget_grid(study, budgets)
     if picks:
         edges = grid_edges(study, runs, picks)
         by = "training error" if study.tune_by == "train_error" else "time to target"
@@ -171,6 +213,23 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         for row, values in study.paper.items():
             lines.append(f"| {row} | " + " | ".join(f"{values[c]:.2f}" if c in values else "" for c in pcols) + " |")
     return "\n".join(lines)
+
+
+def _budget_grid(study: Study, budgets: dict[tuple[Any, Any], float]) -> list[str]:
+    facets = _ordered(f for f, _ in budgets)
+    cols = _ordered(c for _, c in budgets)
+    lines: list[str] = []
+    for facet in facets:
+        if study.facet:
+            lines += ["", f"{study.facet} = {facet}", ""]
+        lines.append(f"| {study.columns} | " + " | ".join(map(str, cols)) + " |")
+        lines.append("|---" * (len(cols) + 1) + "|")
+        lines.append(
+            "| budget | "
+            + " | ".join(f"{budgets[(facet, c)]:.1f}" if (facet, c) in budgets else "" for c in cols)
+            + " |"
+        )
+    return lines
 
 
 def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list, labels: bool) -> bool:
@@ -264,7 +323,7 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     import matplotlib.pyplot as plt
 
     study, paths = result.study, []
-    runs, _ = best_tuned(study, result.runs)
+    runs, _ = best_tuned(study, within_budgets(study, result.runs))
     for metric in (study.metric, *study.also):
         cells = _cell_values(study, runs, metric)
         rows = _ordered(r for _, r, _ in cells)

@@ -387,9 +387,9 @@ def widened_arms(study: Study, s: Settings, arms: list[Arm], runs: list[dict[str
     """The arms one round of :attr:`Study.widen` adds: for every cell whose tuned ``lr`` sits at the edge of 3 or
     more values tried there, its picked variant one grid step further out (the ratio of the grid's two outermost
     values on that side), in a copy of the arm it came from."""
-    from asgd_jax.studies.present import best_tuned, cell_of, grid_edges  # it reads results; this module runs them
+    from asgd_jax.studies.present import best_tuned, cell_of, grid_edges, within_budgets  # it reads results
 
-    _, picks = best_tuned(study, runs)
+    _, picks = best_tuned(study, within_budgets(study, runs))
     out: dict[tuple, Arm] = {}
     for cell, keys in grid_edges(study, runs, picks).items():
         if "lr" not in keys:
