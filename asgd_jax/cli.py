@@ -233,6 +233,14 @@ def _add_train(sub) -> None:
     a("--eval-multi-crop", action=argparse.BooleanOptionalAction, default=False, help="average ten crops")
     a("--warm-start", default=None, metavar="MODEL", help="start from a saved model.npz (or a run folder)")
     a("--workers", type=int, default=dp.workers, help="M workers")
+    a(
+        "--ringmaster",
+        type=int,
+        default=None,
+        metavar="R",
+        help="Ringmaster ASGD (Maranjyan et al. 2025): ignore a push R or more updates stale [off]",
+    )
+    a("--stops", action="store_true", help="with --ringmaster: stop a computation that has become R stale")
     a("--num-updates", "--steps", type=int, default=dp.num_updates, help="server updates, warm-up included")
     a("--batch-size", type=int, default=dp.batch_size, help="minibatch per worker")
     a("--seed", type=int, default=d.seed, help="the run's key (data order, model randomness) and initial weights")
@@ -392,10 +400,13 @@ PLAN_FLAGS = ("num_updates", "batch_size", "mode", "n_sync", "push", "local_lr",
 
 
 def _train_config(args: argparse.Namespace):
+    from asgd_jax import delays
     from asgd_jax.plan import Plan
     from asgd_jax.session import TrainConfig
 
-    plan = Plan(args.workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
+    errors.require(not args.stops or args.ringmaster is not None, "stops", True, "add --ringmaster R", "--stops")
+    workers = args.workers if args.ringmaster is None else delays.Ringmaster(args.workers, args.ringmaster, args.stops)
+    plan = Plan(workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
     skip = ("plan", "slowdown")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in skip}
     return TrainConfig(plan, **values, slowdown=_parse_slowdown(args.slowdown))
@@ -522,6 +533,9 @@ def _train(args: argparse.Namespace) -> int:
     summary = _add_args_to_summary(config.out, args)
     error = f"{100 * result.evals[-1]['error']:.2f}%" if result.evals else "n/a"
     late = f", of which {result.pushes_late} arrived after the last update" if result.pushes_late else ""
+    stopped = sum(w.stopped for w in result.workers)
+    late += f", ignored {result.pushes_ignored} (too stale)" if result.pushes_ignored else ""
+    late += f", computations stopped {stopped}" if stopped else ""
     print(
         f"test error {error} | pushes sent {result.pushes_sent}, applied {result.pushes_applied}, "
         f"rejected {result.pushes_rejected}{late} | {summary.get('updates_per_second', 0):.0f} updates/s | "

@@ -351,7 +351,8 @@ Workers = _pytree_dataclass(Workers, meta=("num", "compute_time"))
 
 
 class Trace:
-    """Pushes arrive in exactly the given order of workers; each worker pulls right after it pushes.
+    """Pushes arrive in exactly the given order of workers; each worker pulls right after it pushes (or, with
+    ``pulled``, computes at the version given).
 
     All workers start from w_0. This replays a recorded run: ``Trace.load("runs/x/trace.jsonl")``.
 
@@ -361,19 +362,29 @@ class Trace:
       times: optional virtual (or wall-clock) time of every update; defaults to ``1, 2, 3, ...``.
       skips: optional, per update: the pushing worker's pushes rejected (NaN/Inf) since its previous applied one. Each
         used up that worker's minibatches without changing a weight, so the replay skips as many exchange periods of
-        its shard (``Trace.load`` reads them from the trace's rejected records).
+        its shard (``Trace.load`` reads them from the trace's rejected and ignored records).
+      pulled: optional, per update t: the version its gradient was computed at (``t - pulled[t]`` its staleness), for
+        a run whose workers did not always compute at the weights their own previous push brought back (a trainer's
+        Ringmaster run: a too-stale push ignored and answered with the current weights, a stopped computation
+        restarted there). The server then keeps a ring of ``ring`` versions, the largest staleness + 1, instead of a
+        backup per worker.
+      ring: the ring's length (static; default from a concrete ``pulled``).
 
     Example:
       >>> import asgd_jax
       >>> trace = asgd_jax.delays.Trace([0, 1, 1, 0])
       >>> trace.num, len(trace)
       (2, 4)
+      >>> asgd_jax.delays.Trace([0, 1, 1, 0], pulled=[0, 0, 2, 2]).num_slots  # staleness at most 1: two versions
+      2
     """
 
     worker_ids: Any
     times: Any = None
     num: int | None = None
     skips: Any = None
+    pulled: Any = None
+    ring: int | None = None
 
     def __post_init__(self):
         _check_array("skips", self.skips, lambda s: s >= 0, ">= 0 per update", per_update=True)
@@ -403,12 +414,45 @@ class Trace:
                 object.__setattr__(self, "skips", np.asarray(self.skips).astype(np.int32))
         elif self.num is None:
             raise errors.ConfigError("Trace(worker_ids=<traced>) needs num= given explicitly.")
+        self._check_pulled()
+
+    def _check_pulled(self) -> None:
+        if self.pulled is None:
+            errors.require(self.ring is None, "ring", self.ring, "a ring replays pulled versions: give pulled too")
+            return
+        if not _is_concrete(self.pulled):
+            errors.require(self.ring is not None, "ring", self.ring, "Trace(pulled=<traced>) needs ring= given")
+            _check_int("ring", self.ring, 1)
+            return
+        _check_array("pulled", self.pulled, lambda p: p >= 0, ">= 0 per update", per_update=True)
+        pulled = np.asarray(self.pulled).astype(np.int32)
+        errors.require(
+            pulled.shape == np.shape(self.worker_ids),
+            "pulled",
+            f"an array of shape {pulled.shape}",
+            f"give one version per worker id {np.shape(self.worker_ids)}",
+        )
+        stale = np.arange(len(pulled)) - pulled
+        errors.require(
+            bool(np.all(stale >= 0)),
+            "pulled",
+            f"version {pulled[np.argmin(stale)]} at update {int(np.argmin(stale))}",
+            "a gradient is computed at a version already made: pulled[t] <= t",
+        )
+        ring = int(stale.max()) + 1 if self.ring is None else self.ring
+        _check_int("ring", ring, int(stale.max()) + 1)
+        object.__setattr__(self, "pulled", pulled)
+        object.__setattr__(self, "ring", ring)
 
     def __len__(self) -> int:
         return int(np.shape(self.worker_ids)[0])
 
     @property
     def num_slots(self) -> int:
+        return self.num if self.ring is None else self.ring
+
+    @property
+    def num_workers(self) -> int:
         return self.num
 
     @property
@@ -424,7 +468,11 @@ class Trace:
         worker = jnp.asarray(self.worker_ids, jnp.int32)[t]
         times = (t + 1).astype(jnp.float32) if self.times is None else jnp.asarray(self.times, jnp.float32)[t]
         skip = 0 if self.skips is None else jnp.asarray(self.skips, jnp.int32)[t]
-        return state, Event(worker, worker, worker, times, skip)
+        if self.ring is None:
+            return state, Event(worker, worker, worker, times, skip)
+        # A ring of versions, as Ringmaster's: slot v % ring holds w_v from when v is made until v + ring is.
+        source = jnp.asarray(self.pulled, jnp.int32)[t] % self.ring
+        return state, Event(source, ((t + 1) % self.ring).astype(jnp.int32), worker, times, skip, worker)
 
     @classmethod
     def load(cls, path: str | os.PathLike, num: int | None = None) -> Trace:
@@ -437,10 +485,10 @@ class Trace:
         from asgd_jax import trace  # the trace format's owner (it imports nothing of the engines)
 
         read = trace.read(path)
-        return cls(read.workers, read.times, num if num is not None else read.num, read.skips)
+        return cls(read.workers, read.times, num if num is not None else read.num, read.skips, read.pulled)
 
 
-Trace = _pytree_dataclass(Trace, meta=("num",))
+Trace = _pytree_dataclass(Trace, meta=("num", "ring"))
 
 
 class _RingDelay:

@@ -41,7 +41,7 @@ import jax
 from asgd_jax import driver, errors, exchange, session, store
 from asgd_jax import loss as loss_lib
 from asgd_jax.session import TrainConfig
-from asgd_jax.worker import Answer, Sync, Worker, WorkerSetup
+from asgd_jax.worker import Answer, Sync, Weights, Worker, WorkerSetup
 
 __all__ = ["StoreActor", "WorkerActor", "join", "require_ray", "run"]
 
@@ -96,6 +96,12 @@ class StoreActor:
     def push(self, worker: int, payload, version: int, model_state, loss: float) -> Answer:
         return self.endpoint.push(worker, payload, version, model_state, loss)
 
+    def pull(self, worker: int) -> Weights:
+        return self.endpoint.pull(worker)
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        return self.endpoint.wait_version(version, timeout)
+
     def progress(self) -> store.Progress:
         return self.endpoint.progress()
 
@@ -132,6 +138,18 @@ class _StoreLink:
         except _actor_errors(self.ray):
             log.warning("worker %d: the store restarted; re-syncing", worker)
             return Answer("resync", None, "the store restarted")
+
+    def pull(self, worker: int) -> Weights:
+        try:
+            return self.ray.get(self.actor.pull.remote(worker))
+        except _actor_errors(self.ray):  # a restarting store: start again from the backup it comes back with
+            return self.sync(worker).weights
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        try:
+            return self.ray.get(self.actor.wait_version.remote(version, timeout))
+        except _actor_errors(self.ray):
+            return -1  # nothing to wait on: the computation finishes and its push meets the restarted store
 
 
 class WorkerActor:
@@ -246,7 +264,9 @@ class _Ray:
         actor = ray.remote(WorkerActor)
         stateful = model_state is not None
         for w in range(self.m):
-            setup = WorkerSetup(w, self.m, ex, c.plan.local_lr, c.seed, stateful, c.slowdown.get(w, 1.0))
+            setup = WorkerSetup(
+                w, self.m, ex, c.plan.local_lr, c.seed, stateful, c.slowdown.get(w, 1.0), c.stop_stale()
+            )
             self.workers[w] = actor.options(
                 name=f"asgd-jax/{self.run_id}/worker-{w}", max_restarts=c.max_restarts, max_task_retries=0, **resources
             ).remote(*self.keep(setup, self.store, loss), data_ref, c.devices_per_worker)

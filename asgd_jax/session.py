@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from asgd_jax import checkpoint, errors, trace
-from asgd_jax.delays import Workers
+from asgd_jax.delays import Ringmaster, Workers
 from asgd_jax.plan import Plan
 
 __all__ = [
@@ -175,10 +175,11 @@ class TrainConfig:
         plan = self.plan
         errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(workers, num_updates=...)")
         errors.require(
-            isinstance(plan.delays, Workers),
+            isinstance(plan.delays, Workers | Ringmaster),
             "plan.delays",
             plan.delays,
-            "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn)",
+            "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn), or Plan(Ringmaster(M, "
+            "R, stops=...)); Rennala's and m-Synchronous rounds are the simulator's",
             "--workers",
         )
         errors.require(
@@ -272,6 +273,11 @@ class TrainConfig:
         with jax.transfer_guard("allow"):
             return jax.random.key(self.seed)
 
+    def stop_stale(self) -> int | None:
+        """Ringmaster with stops: the staleness at which a worker's computation is stopped (its R), else None."""
+        d = self.plan.delays
+        return d.threshold if isinstance(d, Ringmaster) and d.stops else None
+
     def checkpoint_interval(self) -> int | None:
         """Updates between checkpoints: ``plan.checkpoint_every``, or a tenth of the run with an output folder."""
         if self.out is None:
@@ -294,6 +300,9 @@ class WorkerStats:
       exchange: waiting for the store's answer (push applied, fresh weights back) or, in SSGD, for the round.
       total: its whole loop (the three above).
       losses: the training loss of each push.
+      stopped: computations stopped as too stale (Ringmaster with stops); their time is in ``compute`` and
+        ``wasted``.
+      wasted: the seconds of the stopped computations.
     """
 
     pushes: int = 0
@@ -302,6 +311,8 @@ class WorkerStats:
     exchange: float = 0.0
     total: float = 0.0
     losses: list[float] = dataclasses.field(default_factory=list)
+    stopped: int = 0
+    wasted: float = 0.0
 
     def add(self, *, data: float, compute: float, exchange: float, loss: float) -> None:
         """One push: its times and its loss."""
@@ -321,7 +332,16 @@ class WorkerStats:
             self.exchange + other.exchange,
             self.total + other.total,
             self.losses + other.losses,
+            self.stopped + other.stopped,
+            self.wasted + other.wasted,
         )
+
+    def stop(self, seconds: float) -> None:
+        """One computation stopped after ``seconds``."""
+        self.stopped += 1
+        self.wasted += seconds
+        self.compute += seconds
+        self.total += seconds
 
     @property
     def overhead(self) -> float:
@@ -335,9 +355,10 @@ class TrainResult:
 
     Attributes:
       params, model_state: the store's final weights and model state.
-      pushes_sent: pushes the workers sent (over all sessions of a resumed run); ``pushes_applied + pushes_rejected``
-        always equals it.
+      pushes_sent: pushes the workers sent (over all sessions of a resumed run); ``pushes_applied + pushes_rejected +
+        pushes_ignored`` always equals it.
       pushes_applied, pushes_rejected: the store's counts.
+      pushes_ignored: pushes a Ringmaster run ignored as ``R`` or more updates stale (0 otherwise).
       pushes_late: of the rejected, those that merely arrived after the budget was reached (in flight at the end).
       failures: ``{worker: "ExceptionType: message"}`` for workers that died.
       trace_path, checkpoint_path, metrics_path: files in the output folder (``None`` without one).
@@ -368,6 +389,7 @@ class TrainResult:
     resumed_from: int
     staleness_counts: dict[int, int]
     ended: str = "finished"
+    pushes_ignored: int = 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -569,6 +591,7 @@ def finish(
         resumed_from=s.resumed_from,
         staleness_counts=dict(sorted(s.staleness_counts.items())),
         ended=_ended(outcome),
+        pushes_ignored=s.ignored,
     )
     if outcome.timed_out:
         log.warning("stopped by the timeout at update %d (resume continues)", s.applied)
@@ -605,6 +628,7 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
         "pushes_applied": result.pushes_applied,
         "pushes_rejected": result.pushes_rejected,
         "pushes_late": result.pushes_late,
+        "pushes_ignored": result.pushes_ignored,
         "failures": result.failures,
         "resumed_from": result.resumed_from,
         "seconds": result.seconds,
@@ -612,7 +636,8 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
         "worker_overhead": [w.overhead for w in result.workers],
         # Where each worker's time went, in seconds (the same on every backend: see WorkerStats).
         "workers": [
-            {k: getattr(w, k) for k in ("pushes", "data", "compute", "exchange", "total")} for w in result.workers
+            {k: getattr(w, k) for k in ("pushes", "data", "compute", "exchange", "total", "stopped", "wasted")}
+            for w in result.workers
         ],
         "staleness_counts": result.staleness_counts,
     }

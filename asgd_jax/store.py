@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, errors, exchange, server, session, trace
+from asgd_jax import checkpoint, delays, errors, exchange, server, session, trace
 from asgd_jax.worker import Answer, Sync, Weights
 
 __all__ = [
@@ -67,8 +67,9 @@ CHECKPOINT = session.CHECKPOINT
 class StoreStatus(NamedTuple):
     """The counts and how a store stands (what a driver polls and a session ends with).
 
-    ``received == applied + rejected`` always; ``late`` counts the rejected pushes that merely arrived after the store
-    closed; ``positions`` is each worker's data position (pushes applied or rejected as non-finite)."""
+    ``received == applied + rejected + ignored`` always; ``late`` counts the rejected pushes that merely arrived after
+    the store closed; ``ignored`` the pushes a Ringmaster store ignored as too stale; ``positions`` is each worker's
+    data position (pushes applied, rejected as non-finite or ignored)."""
 
     applied: int
     rejected: int
@@ -79,6 +80,7 @@ class StoreStatus(NamedTuple):
     resumed_from: int
     positions: tuple[int, ...]
     staleness_counts: dict[int, int]
+    ignored: int = 0
 
 
 class Snapshot(NamedTuple):
@@ -135,6 +137,9 @@ class ParameterStore:
         refused (another worker count, batch size, data order...).
       snapshot_every: host copies of the weights are kept after every such update (:meth:`take_snapshots`).
       max_nonfinite: this many NaN/Inf pushes in a row stop the store (default: 10 per worker): a diverged model.
+      threshold: Ringmaster ASGD's R (``asgd_jax.delays.Ringmaster``): a push computed ``threshold`` or more updates
+        ago is ignored (its minibatches used up, nothing applied, the version not advanced, the trace says
+        ``"ignored"``) and answered with the current weights, which become the worker's backup. ``None``: none is.
 
     The settings are the trainer's, checked once in :class:`asgd_jax.TrainConfig` and its plan.
 
@@ -160,8 +165,10 @@ class ParameterStore:
         header: dict[str, Any] | None = None,
         snapshot_every: int | None = None,
         max_nonfinite: int | None = None,
+        threshold: int | None = None,
     ):
         errors.positive_int("num_workers", num_workers)
+        self.threshold = None if threshold is None else errors.positive_int("threshold", threshold)
         # Consecutive non-finite pushes that stop the run: a diverged model pushes nothing else, forever.
         self.max_nonfinite = max_nonfinite or 10 * num_workers
         self._nonfinite_streak = 0
@@ -173,7 +180,7 @@ class ParameterStore:
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
         self._state = jax.device_put(state, self.device)
         self._ids = [jax.device_put(np.int32(w), self.device) for w in range(num_workers)]  # placed once, not per push
-        self.received = self.applied = self.rejected = 0
+        self.received = self.applied = self.rejected = self.ignored = 0
         self.late = 0  # of the rejected: pushes that arrived after the store closed (the budget was reached)
         self.positions = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
         self.staleness_counts: collections.Counter[int] = collections.Counter()
@@ -198,6 +205,7 @@ class ParameterStore:
         self._round: dict[int, tuple] = {}
         self._round_no, self._round_answer, self._round_abort = 0, None, None
         self._round_cv = threading.Condition()
+        self._version_cv = threading.Condition()  # notified at every applied update and at close
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self.error: BaseException | None = None
@@ -268,6 +276,17 @@ class ParameterStore:
                 raise BadPush(f"push from worker {worker} rejected: {problem}")
         self._queue.put((worker, payload, pulled_version, model_state, future))
         return future
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        """Waits up to ``timeout`` seconds for the store to reach ``version`` applied updates (or to close); returns
+        the applied updates then (a worker's computation that has become too stale to use is stopped on it)."""
+        with self._version_cv:
+            self._version_cv.wait_for(lambda: self.applied >= version or self._closed.is_set(), timeout)
+            return self.applied
+
+    def _notify_version(self) -> None:
+        with self._version_cv:
+            self._version_cv.notify_all()
 
     def backup(self, worker: int) -> tuple[Any, Any, int]:
         """``worker``'s backup: the weights, model state and version it last pulled (w_0 and 0 before any pull)."""
@@ -361,6 +380,7 @@ class ParameterStore:
         self.abort_rounds("the store was closed")
         if self._applier.is_alive():
             self._closed.set()
+            self._notify_version()
             self._queue.put(None)
             self._applier.join(timeout=60)
         if self._writer is not None:
@@ -417,6 +437,7 @@ class ParameterStore:
                 resumed_from=self.resumed_from,
                 positions=tuple(int(d) for d in self.positions),
                 staleness_counts=dict(self.staleness_counts),
+                ignored=self.ignored,
             )
 
     def take_snapshots(self) -> list[Snapshot]:
@@ -454,6 +475,7 @@ class ParameterStore:
     def _checkpoint(self) -> tuple:
         """What a checkpoint holds, as host copies: the state, each worker's data position, the header and counts."""
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
+        counts["ignored"] = self.ignored
         staleness = {str(k): v for k, v in self.staleness_counts.items()}
         # The trace it belongs to: a resume keeps exactly these lines and refuses any other trace.
         pinned = {} if self._trace is None else {"trace_lines": self._trace.lines, "trace_sha256": self._trace.digest()}
@@ -470,6 +492,7 @@ class ParameterStore:
             if self.error is None:
                 self.error = error
         self._closed.set()
+        self._notify_version()
         self.abort_rounds(f"the store stopped: {self.error}")
 
     def _restore(self, path: str) -> None:
@@ -478,7 +501,9 @@ class ParameterStore:
         self._trace_pin = trace_pin(header)
         self._state = jax.device_put(state, self.device)
         self.applied, self.rejected, self.late = header["applied"], header["rejected"], header.get("late", 0)
-        self.received = self.applied + self.rejected  # pushes in flight at the checkpoint are lost and sent again
+        self.ignored = header.get("ignored", 0)
+        # Pushes in flight at the checkpoint are lost and sent again.
+        self.received = self.applied + self.rejected + self.ignored
         # Checkpoints written before 2026-12 call the positions "done"; they still load.
         self.positions = np.asarray(arrays["positions" if "positions" in arrays else "done"], np.int64).copy()
         self.staleness_counts.update({int(k): v for k, v in header["staleness_counts"].items()})
@@ -522,6 +547,9 @@ class ParameterStore:
                 self.late += 1
             future.set_exception(StoreClosed(self._closed_reason()))
             return
+        if self.threshold is not None and self.applied - pulled_version >= self.threshold:
+            future.set_result(self._ignore(worker, pulled_version))
+            return
         ms = model_state if self._stateful else None
         if not _all_finite((payload, ms)):  # on the host, before anything reaches the server's state
             future.set_exception(self._reject_nonfinite(worker, pulled_version))
@@ -560,7 +588,18 @@ class ParameterStore:
                 # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
                 weights = _host_copy((self._state.params, self._state.model_state)) if self._sends else result[:2]
                 self._snapshots.append(Snapshot(self.applied, *weights))
+        self._notify_version()
         future.set_result(result)
+
+    def _ignore(self, worker: int, pulled_version: int) -> tuple[Any, Any, int]:
+        """Ringmaster: a push ``threshold`` or more updates stale changes no weight; its worker pulls the current ones
+        (its backup) and goes on with its next minibatches."""
+        with self._lock:
+            self.ignored += 1
+            self.positions[worker] += 1
+            self._write_trace(worker, pulled_version, self.applied - pulled_version, ignored=True)
+            self._state = self._pull(self._state, self._id(worker))
+            return (*self._answer_for(worker), self.applied)
 
     def _reject_nonfinite(self, worker: int, pulled_version: int) -> BadPush:
         """Counts a NaN/Inf push (its minibatches are used up, which the trace records so that a replay skips them
@@ -583,7 +622,9 @@ class ParameterStore:
             )
         return BadPush(message)
 
-    def _write_trace(self, worker: int, pulled_version: int, staleness: int, rejected: bool = False) -> None:
+    def _write_trace(
+        self, worker: int, pulled_version: int, staleness: int, rejected: bool = False, ignored: bool = False
+    ) -> None:
         """Appends one record to the trace (under the lock, in the order pushes are handled)."""
         if self._trace is None:
             return
@@ -595,6 +636,7 @@ class ParameterStore:
             staleness=int(staleness),
             time=time.perf_counter() - self._t0,
             rejected=rejected,
+            ignored=ignored,
         )
         try:
             self._trace.write(record)
@@ -682,6 +724,7 @@ def for_run(
         header=header,
         snapshot_every=config.eval_interval() if evaluates else None,
         max_nonfinite=config.max_nonfinite,
+        threshold=config.plan.delays.threshold if isinstance(config.plan.delays, delays.Ringmaster) else None,
     )
 
 
@@ -709,6 +752,16 @@ class Endpoint:
         params, model_state, version = self.store.backup(source)
         params, model_state = jax.device_get((params, model_state))
         return Sync(Weights(params, model_state, version), int(self.store.positions[source]))
+
+    def pull(self, worker: int) -> Weights:
+        """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts."""
+        params, model_state, version = self.store.pull(worker)
+        return Weights(params, model_state, version)
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        """The store's applied updates once it reaches ``version`` or after ``timeout`` seconds; -1 once it closed."""
+        applied = self.store.wait_version(version, timeout)
+        return -1 if self.store.closed else applied
 
     def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
         """Applies a push (or, in SSGD, the round it completes) and answers it."""

@@ -55,7 +55,14 @@ def run(
     workers = [
         Worker(
             WorkerSetup(
-                w, m, ex, config.plan.local_lr, config.seed, model_state is not None, config.slowdown.get(w, 1.0)
+                w,
+                m,
+                ex,
+                config.plan.local_lr,
+                config.seed,
+                model_state is not None,
+                config.slowdown.get(w, 1.0),
+                config.stop_stale(),
             ),
             endpoint,
             loss,

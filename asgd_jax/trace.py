@@ -1,7 +1,8 @@
 """``trace.jsonl``, the record of a trainer run's applied pushes: its one owner (written, cut back, read).
 
-One JSON object a line, one line per push the store applied or rejected as NaN/Inf, in its order (:class:`Record`;
-a rejected push has ``"rejected": true``: it changed no weight but used up that worker's minibatches). The store
+One JSON object a line, one line per push the store applied, rejected as NaN/Inf or ignored as too stale (Ringmaster),
+in its order (:class:`Record`; a rejected push has ``"rejected": true`` and an ignored one ``"ignored": true``: it
+changed no weight but used up that worker's minibatches). The store
 writes it through a :class:`Writer`, which keeps a running SHA-256 of the lines (:meth:`Writer.digest`); each
 checkpoint stores the line count and digest it was taken at, so a resume cuts the trace back to exactly those lines
 and refuses a trace that is not the one the checkpoint belongs to (:func:`whole_records`). :func:`read` reads it
@@ -46,11 +47,13 @@ class Record(NamedTuple):
     staleness: int
     time: float  # seconds since the store started
     rejected: bool = False  # a NaN/Inf push: nothing applied, the worker's minibatches used up
+    ignored: bool = False  # Ringmaster: too stale, nothing applied, the worker answered with the current weights
 
     def line(self) -> str:
         fields = self._asdict()
-        if not self.rejected:  # an applied push's line reads as it always has
-            del fields["rejected"]
+        for flag in ("rejected", "ignored"):  # an applied push's line reads as it always has
+            if not fields[flag]:
+                del fields[flag]
         return json.dumps(fields) + "\n"
 
 
@@ -164,9 +167,10 @@ def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) 
     time = fields.get("time", time)
     if not _is_number(time):
         raise bad("time", "a finite number")
-    rejected = fields.get("rejected", False)
-    if not isinstance(rejected, bool):
-        raise bad("rejected", "true or false")
+    flags = {name: fields.get(name, False) for name in ("rejected", "ignored")}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise bad(name, "true or false")
     count = ints["workers"]
     if count is not None and workers is not None and count != workers:
         raise errors.ConfigError(f"{where}: workers={count}, but the records before it say {workers}.")
@@ -180,7 +184,8 @@ def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) 
         ints["applied_version"] or 0,
         int(staleness),
         float(time),
-        rejected,
+        flags["rejected"],
+        flags["ignored"],
     )
 
 
@@ -191,12 +196,15 @@ def _is_number(value: Any) -> bool:
 
 class Read(NamedTuple):
     """A trace read back: every applied push's worker and time, the minibatches its worker skipped before it (pushes
-    rejected as NaN/Inf since that worker's previous applied push), and the worker count it records."""
+    rejected as NaN/Inf or ignored since that worker's previous applied push), the worker count it records, and the
+    version every applied push was computed at where a worker did not always compute at the weights its own previous
+    push brought back (a Ringmaster run: an ignored push, a stopped computation, restart at the current weights)."""
 
     workers: np.ndarray  # int32 [updates]
     times: np.ndarray  # float32 [updates]
     num: int | None  # M as recorded (None for a trace that does not say)
-    skips: np.ndarray | None = None  # int32 [updates], None when nothing was rejected
+    skips: np.ndarray | None = None  # int32 [updates], None when nothing was rejected or ignored
+    pulled: np.ndarray | None = None  # int32 [updates], None when each worker computed at its own last answer
 
 
 def read(path: str | os.PathLike) -> Read:
@@ -205,8 +213,10 @@ def read(path: str | os.PathLike) -> Read:
     Raises:
       ConfigError: the file cannot be read, holds no applied record, or a line is not a record (:func:`parse`).
     """
-    workers, times, skips, num = [], [], [], None
-    pending: dict[int, int] = {}  # worker -> its rejected pushes since its last applied one
+    workers, times, skips, pulled, num = [], [], [], [], None
+    pending: dict[int, int] = {}  # worker -> its rejected (or ignored) pushes since its last applied one
+    answered: dict[int, int] = {}  # worker -> the version its last applied push was answered with
+    own = True  # every push computed at the weights its own previous applied push brought (a per-worker replay)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -223,13 +233,17 @@ def read(path: str | os.PathLike) -> Read:
                 break
             raise
         num = record.workers
-        if record.rejected:
+        if record.rejected or record.ignored:  # (an ignored push's worker computes next at the current weights)
             pending[record.worker] = pending.get(record.worker, 0) + 1
             continue
+        own = own and '"pulled_version"' in line and record.pulled_version == answered.get(record.worker, 0)
+        answered[record.worker] = record.applied_version
         workers.append(record.worker)
         times.append(record.time)
         skips.append(pending.pop(record.worker, 0))
+        pulled.append(record.pulled_version)
     if not workers:
         raise errors.ConfigError(f"{path} holds no trace records of applied pushes.")
     skipped = np.asarray(skips, np.int32) if any(skips) else None
-    return Read(np.asarray(workers, np.int32), np.asarray(times, np.float32), num, skipped)
+    versions = None if own else np.asarray(pulled, np.int32)
+    return Read(np.asarray(workers, np.int32), np.asarray(times, np.float32), num, skipped, versions)

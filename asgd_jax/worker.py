@@ -49,6 +49,9 @@ __all__ = [
 
 log = logging.getLogger("asgd_jax.worker")
 
+STOP_POLL = 0.01
+"""Seconds between a stoppable computation's checks of whether it is done (it wakes at once when the store moves)."""
+
 ANSWERS = ("ok", "rejected", "closed", "resync")
 """What a store answers a push with: applied (the fresh weights come back), rejected (NaN/Inf: re-sync and go on),
 closed (the run is over, or the store stopped) or resync (computed at weights the store no longer has: a restarted
@@ -87,6 +90,12 @@ class StoreLink(Protocol):
     def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
         """A payload computed at ``version``; blocks until it is applied (or the SSGD round is)."""
 
+    def pull(self, worker: int) -> Weights:
+        """The current weights, recorded as the worker's backup (a stopped computation restarts there)."""
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        """The store's applied updates once they reach ``version``, or after ``timeout`` seconds; -1 once it closed."""
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSetup:
@@ -100,6 +109,9 @@ class WorkerSetup:
       seed: the run's seed (its key fixes the minibatch order and the model's randomness, the simulator's).
       stateful: the loss carries a model state, pushed with the payload.
       slowdown: a straggler computes this many times slower (1.0: not one).
+      stop_stale: Ringmaster with stops: a computation that has become this many updates stale before it is done
+        (its straggling included) is stopped and restarted at the current weights on the same minibatches
+        (``None``: never).
     """
 
     worker: int
@@ -109,6 +121,7 @@ class WorkerSetup:
     seed: int
     stateful: bool
     slowdown: float = 1.0
+    stop_stale: int | None = None
 
     @property
     def key(self) -> jax.Array:
@@ -217,11 +230,13 @@ class Worker:
                 t0 = time.perf_counter()
                 batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
                 t1 = time.perf_counter()
-                payload, model_state, loss = jax.device_get(self.work(*self._place(weights, batches))[:3])
+                out = self.work(*self._place(weights, batches))
+                while not self._done(out, weights.version, t1, stop):  # stopped: again, at the current weights
+                    stats.stop(time.perf_counter() - t1)
+                    weights, t1 = self.link.pull(s.worker), time.perf_counter()
+                    out = self.work(*self._place(weights, batches))
+                payload, model_state, loss = jax.device_get(out[:3])
                 t2 = time.perf_counter()
-                if s.slowdown > 1.0:  # a straggler: its exchange period takes `slowdown` times as long
-                    stop.wait((s.slowdown - 1.0) * (t2 - t1))  # ... but it says goodbye at once
-                    t2 = time.perf_counter()
                 answer = self.link.push(s.worker, payload, weights.version, model_state if s.stateful else None, loss)
                 t3 = time.perf_counter()
                 stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=float(loss))
@@ -237,3 +252,31 @@ class Worker:
         finally:
             loader.close()
         return stats
+
+    def _done(self, out: Any, version: int, started: float, stop: threading.Event) -> bool:
+        """Waits for a computation at ``version`` and, for a straggler, its extra time; False when it was stopped
+        because the store moved ``stop_stale`` updates past ``version`` first (never without ``stop_stale``)."""
+        s = self.setup
+        limit = None if s.stop_stale is None else version + s.stop_stale
+        if limit is not None:
+            leaves = jax.tree.leaves(out[:3])
+            while not all(x.is_ready() for x in leaves):
+                applied = self.link.wait_version(limit, STOP_POLL)
+                if applied >= limit:
+                    return False
+                if applied < 0 or stop.is_set():  # the store closed: the push will be told
+                    break
+        if s.slowdown <= 1.0:
+            return True
+        jax.block_until_ready(out[:3])
+        end = time.perf_counter() + (s.slowdown - 1.0) * (time.perf_counter() - started)
+        while (left := end - time.perf_counter()) > 0 and not stop.is_set():  # ... but it says goodbye at once
+            if limit is None:
+                stop.wait(left)
+                continue
+            applied = self.link.wait_version(limit, min(left, STOP_POLL))
+            if applied >= limit:
+                return False
+            if applied < 0:
+                break
+        return True

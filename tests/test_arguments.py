@@ -276,3 +276,20 @@ def test_a_trace_rejects_ids_and_skips_it_cannot_replay(worker_ids, skips):
     _raises_config_error_without_compiling(lambda: delays.Trace(worker_ids))
     _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0], skips=skips))
     _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0], skips=[0, 1]))
+
+
+@SETTINGS
+@given(
+    pulled=st.lists(st.integers(min_value=-3, max_value=6), min_size=4, max_size=4).filter(
+        lambda p: any(v < 0 or v > t for t, v in enumerate(p))
+    ),
+    ring=st.integers(max_value=0),
+)
+def test_a_trace_rejects_versions_it_cannot_replay(pulled, ring):
+    """A version not yet made (pulled[t] > t) or negative, a version per update missing, a ring too short for the
+    staleness it must hold, or a ring without versions: one clear error each, before anything compiles."""
+    _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], pulled=pulled))
+    _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], pulled=[0, 0, 1]))
+    _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], pulled=[0, 0, 0, 0], ring=3))
+    _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], pulled=[0, 0, 0, 0], ring=ring))
+    _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], ring=2))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, W1, BatchOrder, lsq_loss, simulate_lsq
 
 import asgd_jax
 from asgd_jax import session, trace
@@ -182,6 +182,42 @@ def test_a_skip_is_that_workers_minibatches_used_up_and_nothing_else():
     np.testing.assert_allclose(a.params, b.params, rtol=1e-6, atol=1e-7)
     c = run(asgd_jax.asgd(0.05), asgd_jax.delays.Trace([0, 1, 0, 0, 1, 1, 0], num=2), 7)
     assert not np.allclose(a.params, c.params)  # the skips changed which minibatches were used
+
+
+def test_a_trace_of_pulled_versions_replays_each_gradient_at_its_version():
+    """A Ringmaster run's trace (a stale push ignored, a stopped computation restarted at the current weights): each
+    update t applies the gradient at w_{pulled[t]} on its worker's next minibatch (after its skips); a float64 NumPy
+    loop of exactly that agrees with the simulator's ring of versions, whose staleness is t - pulled[t]."""
+    ids = [0, 1, 2, 1, 0, 2, 2, 1, 0, 1]
+    pulled = [0, 0, 1, 2, 2, 3, 6, 4, 5, 8]
+    skips = [0, 0, 1, 0, 0, 0, 2, 0, 1, 0]
+    lr, n = 0.05, len(ids)
+    model = asgd_jax.delays.Trace(ids, num=3, skips=skips, pulled=pulled)
+    assert model.num_slots == 4  # the largest staleness, 3 (updates 7 and 8), + 1
+    order = BatchOrder(5, num_shards=3)
+    versions = [W1.astype(np.float64)]
+    for t, (w, v, k) in enumerate(zip(ids, pulled, skips, strict=True)):
+        for _ in range(k):
+            order.next(w)
+        x, y = order.next(w)
+        g = x.T @ (x @ versions[v] - y) / len(y)
+        versions.append(versions[t] - lr * g)
+    sim = simulate_lsq(asgd_jax.asgd(lr), model, num_updates=n, key=5)
+    np.testing.assert_allclose(sim.params, versions[-1], rtol=2e-5, atol=1e-6)
+    np.testing.assert_array_equal(sim.metrics["staleness"], np.arange(n) - np.asarray(pulled))
+    np.testing.assert_array_equal(sim.metrics["worker"], ids)
+
+
+def test_a_ring_replay_of_own_pulls_equals_the_per_worker_replay():
+    ids = [0, 1, 1, 0, 2, 0, 1, 2]
+    own, last = [], {}
+    for t, w in enumerate(ids):
+        own.append(last.get(w, 0))
+        last[w] = t + 1
+    per_worker = simulate_lsq(asgd_jax.dc_asgd(0.05, 0.5), asgd_jax.delays.Trace(ids, num=3), num_updates=8)
+    ring = simulate_lsq(asgd_jax.dc_asgd(0.05, 0.5), asgd_jax.delays.Trace(ids, num=3, pulled=own), num_updates=8)
+    np.testing.assert_allclose(ring.params, per_worker.params, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(ring.metrics["staleness"], per_worker.metrics["staleness"])
 
 
 def test_trace_records_are_type_checked(tmp_path):
