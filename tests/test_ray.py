@@ -153,6 +153,23 @@ def _histogram(records):
     return total
 
 
+def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray, tmp_path):
+    """The worker loop's stops over the store actor's link: a worker 10^6 x slower is stopped (it waits on the store
+    actor's version) and restarts at the current weights; none of its pushes is applied; the trace replays."""
+    plan = Plan(asgd_jax.delays.Ringmaster(2, 2, stops=True), num_updates=30, batch_size=4)  # the 2 CPUs' 2 actors
+    config = TrainConfig(plan, seed=3, backend="ray", out=str(tmp_path), slowdown={0: 1e6}, timeout=LIMIT)
+    result = train(lsq_loss, rule(), W0, DATA, config)
+    assert result.pushes_applied == 30 and result.workers[0].stopped >= 1
+    assert result.pushes_sent == result.pushes_applied + result.pushes_rejected + result.pushes_ignored
+    lines = [json.loads(x) for x in pathlib.Path(result.trace_path).read_text().splitlines()]
+    assert not any(x["worker"] == 0 for x in lines)
+    assert max(x["staleness"] for x in lines if not x.get("ignored")) < 2
+    replayed = asgd_jax.simulate(
+        lsq_loss, rule(), W0, DATA, asgd_jax.trainer.replay_plan(tmp_path), key=jax.random.key(3), progress=False
+    )
+    np.testing.assert_allclose(replayed.params, result.params, rtol=1e-6, atol=1e-7)
+
+
 def test_sync_mode_on_ray_is_the_simulators_ssgd(local_ray):
     seed = 3
     key = jax.random.key(seed)
