@@ -13,7 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import problems as lsq_problem
-from helpers.problems import BIG, DATA, W0, SlowColumn, big_loss, lsq_loss, simulate_clean, train_config
+from helpers.problems import (
+    BIG,
+    DATA,
+    W0,
+    SlowColumn,
+    big_loss,
+    lsq_loss,
+    replay_clean,
+    simulate_clean,
+    train_config,
+)
 
 import asgd_jax
 from asgd_jax.plan import Plan
@@ -164,9 +174,7 @@ def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray,
     lines = [json.loads(x) for x in pathlib.Path(result.trace_path).read_text().splitlines()]
     assert not any(x["worker"] == 0 for x in lines)
     assert max(x["staleness"] for x in lines if not x.get("ignored")) < 2
-    replayed = asgd_jax.simulate(
-        lsq_loss, rule(), W0, DATA, asgd_jax.trainer.replay_plan(tmp_path), key=jax.random.key(3), progress=False
-    )
+    replayed = replay_clean(tmp_path, rule(), seed=3)
     np.testing.assert_allclose(replayed.params, result.params, rtol=1e-6, atol=1e-7)
 
 

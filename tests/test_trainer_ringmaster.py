@@ -9,7 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, lsq_loss, replay_clean
 
 import asgd_jax
 from asgd_jax import delays, trace
@@ -45,15 +45,7 @@ def _run(tmp_path, stops: bool, slowdown: dict, steps: int = 60):
     plan = Plan(delays.Ringmaster(3, 2, stops=stops), num_updates=steps, batch_size=4)
     config = TrainConfig(plan, seed=5, out=str(tmp_path), progress=False, slowdown=slowdown)
     result = train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config, devices=jax.devices()[:3])
-    replayed = asgd_jax.simulate(
-        lsq_loss,
-        asgd_jax.asgd(0.05),
-        W0,
-        DATA,
-        asgd_jax.trainer.replay_plan(tmp_path),
-        key=jax.random.key(5),
-        progress=False,
-    )
+    replayed = replay_clean(tmp_path, asgd_jax.asgd(0.05), seed=5)
     lines = [json.loads(x) for x in pathlib.Path(result.trace_path).read_text().splitlines()]
     return result, replayed, lines
 

@@ -189,7 +189,8 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         if metric in ("time_to_target", "speedup") and budgets:
             lines += ["", "The budget of each column (virtual time, the same for every rule there: when its earliest"]
             lines += ["run ended its epochs)"]
-            lines += ([] if study.facet else [""]) + _budget_grid(study, budgets)
+            per_column = {(facet, "budget", column): t for (facet, column), t in budgets.items()}
+            lines += ([] if study.facet else [""]) + _grid(study, per_column, lambda t: f"{t:.1f}" if t else "")
     if picks:
         edges = grid_edges(study, runs, picks)
         by = "training error" if study.tune_by == "train_error" else "time to target"
@@ -213,23 +214,6 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         for row, values in study.paper.items():
             lines.append(f"| {row} | " + " | ".join(f"{values[c]:.2f}" if c in values else "" for c in pcols) + " |")
     return "\n".join(lines)
-
-
-def _budget_grid(study: Study, budgets: dict[tuple[Any, Any], float]) -> list[str]:
-    facets = _ordered(f for f, _ in budgets)
-    cols = _ordered(c for _, c in budgets)
-    lines: list[str] = []
-    for facet in facets:
-        if study.facet:
-            lines += ["", f"{study.facet} = {facet}", ""]
-        lines.append(f"| {study.columns} | " + " | ".join(map(str, cols)) + " |")
-        lines.append("|---" * (len(cols) + 1) + "|")
-        lines.append(
-            "| budget | "
-            + " | ".join(f"{budgets[(facet, c)]:.1f}" if (facet, c) in budgets else "" for c in cols)
-            + " |"
-        )
-    return lines
 
 
 def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list, labels: bool) -> bool:

@@ -73,6 +73,12 @@ def simulate_clean(rule, delay_model, num_updates, *, key=3, params=W0, batch_si
     return asgd_jax.simulate(loss, rule, jnp.asarray(params), DATA, plan, key=key, progress=False, **options)
 
 
+def replay_clean(out, rule, seed: int):
+    """A trainer run's trace in ``out`` replayed on the noiseless problem (its recorded plan, the run's seed)."""
+    plan = asgd_jax.trainer.replay_plan(out)
+    return asgd_jax.simulate(lsq_loss, rule, W0, DATA, plan, key=jax.random.key(seed), progress=False)
+
+
 class BatchOrder:
     """The documented minibatch order: shard s's j-th batch is a slice of that epoch's shard indices."""
 
