@@ -292,7 +292,8 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, referenc
     axes[0 if numeric else len(axes) // 2].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
     axes[-1 if numeric else 0].legend(fontsize=7, ncol=len(cols) if len(axes) > 1 and not numeric else 1)
     tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
-    note = "\nx: no value (the target not reached in some seed, or diverged)" if missing else ""
+    within = " within its column's time budget" if study.equal_time and metric in ("time_to_target", "speedup") else ""
+    note = f"\nx: no value (the target not reached{within} in some seed, or diverged)" if missing else ""
     title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {METRICS[metric]}"
     fig.suptitle(textwrap.fill(f"{title}{tuned}", 64 if numeric and len(facets) == 1 else 110) + note, fontsize=10)
     return fig
