@@ -190,6 +190,32 @@ SETUP_FLAGS = (
 MODEL_FLAGS = ("config", *SETUP_FLAGS, "rule", "lam", "warm_start")
 
 
+def _add_method_flags(a) -> None:
+    """``train``'s flags of the optimal-time methods (Plan(delays.Ringmaster / Rennala / MSync) from Python)."""
+    a(
+        "--ringmaster",
+        type=int,
+        default=None,
+        metavar="R",
+        help="Ringmaster ASGD (Maranjyan et al. 2025): ignore a push R or more updates stale [off]",
+    )
+    a(
+        "--rennala",
+        type=int,
+        default=None,
+        metavar="S",
+        help="Rennala SGD (Tyurin & Richtarik 2023): each update the mean of the first S gradients at w_t [off]",
+    )
+    a(
+        "--msync",
+        type=int,
+        default=None,
+        metavar="m",
+        help="m-Synchronous SGD (Begunov & Tyurin 2026): the first m of the M workers' gradients, the rest stopped",
+    )
+    a("--stops", action="store_true", help="with --ringmaster: stop a computation R stale; --rennala: at round ends")
+
+
 def _add_train(sub) -> None:
     from asgd_jax import rules, setups
     from asgd_jax.plan import MODES, PUSHES
@@ -233,14 +259,7 @@ def _add_train(sub) -> None:
     a("--eval-multi-crop", action=argparse.BooleanOptionalAction, default=False, help="average ten crops")
     a("--warm-start", default=None, metavar="MODEL", help="start from a saved model.npz (or a run folder)")
     a("--workers", type=int, default=dp.workers, help="M workers")
-    a(
-        "--ringmaster",
-        type=int,
-        default=None,
-        metavar="R",
-        help="Ringmaster ASGD (Maranjyan et al. 2025): ignore a push R or more updates stale [off]",
-    )
-    a("--stops", action="store_true", help="with --ringmaster: stop a computation that has become R stale")
+    _add_method_flags(a)
     a("--num-updates", "--steps", type=int, default=dp.num_updates, help="server updates, warm-up included")
     a("--batch-size", type=int, default=dp.batch_size, help="minibatch per worker")
     a("--seed", type=int, default=d.seed, help="the run's key (data order, model randomness) and initial weights")
@@ -404,8 +423,19 @@ def _train_config(args: argparse.Namespace):
     from asgd_jax.plan import Plan
     from asgd_jax.session import TrainConfig
 
-    errors.require(not args.stops or args.ringmaster is not None, "stops", True, "add --ringmaster R", "--stops")
-    workers = args.workers if args.ringmaster is None else delays.Ringmaster(args.workers, args.ringmaster, args.stops)
+    methods = {"--ringmaster": args.ringmaster, "--rennala": args.rennala, "--msync": args.msync}
+    given = [flag for flag, value in methods.items() if value is not None]
+    errors.require(len(given) <= 1, "method", " and ".join(given), "choose one of --ringmaster, --rennala, --msync")
+    errors.require(
+        not args.stops or given[:1] in (["--ringmaster"], ["--rennala"]), "stops", True, "add --ringmaster R", "--stops"
+    )
+    workers = args.workers
+    if args.ringmaster is not None:
+        workers = delays.Ringmaster(args.workers, args.ringmaster, args.stops)
+    elif args.rennala is not None:
+        workers = delays.Rennala(args.workers, args.rennala, args.stops)
+    elif args.msync is not None:
+        workers = delays.MSync(args.workers, args.msync)
     plan = Plan(workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
     skip = ("plan", "slowdown")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in skip}

@@ -35,6 +35,7 @@ __all__ = [
     "Rennala",
     "Ringmaster",
     "Round",
+    "RoundTrace",
     "Structure",
     "Trace",
     "Workers",
@@ -485,10 +486,99 @@ class Trace:
         from asgd_jax import trace  # the trace format's owner (it imports nothing of the engines)
 
         read = trace.read(path)
-        return cls(read.workers, read.times, num if num is not None else read.num, read.skips, read.pulled)
+        num = num if num is not None else read.num
+        if read.rounds is not None:  # a round method's run (Rennala, m-Synchronous): every update a recorded round
+            return RoundTrace(read.rounds, read.round_skips, read.times, num)
+        return cls(read.workers, read.times, num, read.skips, read.pulled)
 
 
 Trace = _pytree_dataclass(Trace, meta=("num", "ring"))
+
+
+class RoundTrace:
+    """Recorded rounds, replayed (a trainer's Rennala or m-Synchronous run: :meth:`Trace.load` reads one back so).
+
+    Update t averages ``K`` payloads, all computed at w_t: payload j is worker ``shards[t, j]``'s next minibatch, after
+    ``skips[t, j]`` minibatch periods of its shard used by gradients that changed no weight (ignored as computed at an
+    older iterate, or in a round rejected as NaN/Inf).
+
+    Args:
+      shards: int ``[updates, K]``: each round's workers, in the order their payloads are averaged.
+      skips: optional int ``[updates, K]`` (default none).
+      times: optional time of every update (default ``1, 2, 3, ...``).
+      num: the number of workers M (default: the largest worker id + 1).
+
+    Example:
+      >>> import asgd_jax
+      >>> rounds = asgd_jax.delays.RoundTrace([[0, 2], [1, 1], [2, 0]], num=3)
+      >>> rounds.round_size, len(rounds)
+      (2, 3)
+    """
+
+    shards: Any
+    skips: Any = None
+    times: Any = None
+    num: int | None = None
+
+    def __post_init__(self):
+        shards = np.asarray(self.shards) if _is_concrete(self.shards) else None
+        if shards is not None:
+            ok = shards.ndim == 2 and shards.size > 0 and np.issubdtype(shards.dtype, np.integer)
+            errors.require(ok, "shards", self.shards, "give a non-empty [updates, K] array of worker ids")
+            errors.require(bool(shards.min() >= 0), "shards", int(shards.min()), "worker ids are >= 0")
+            num = int(shards.max()) + 1 if self.num is None else self.num
+            _check_int("num", num, int(shards.max()) + 1)
+            object.__setattr__(self, "num", num)
+            object.__setattr__(self, "shards", shards.astype(np.int32))
+            if self.skips is not None:
+                skips = np.asarray(self.skips)
+                errors.require(
+                    skips.shape == shards.shape and np.issubdtype(skips.dtype, np.integer) and bool(np.all(skips >= 0)),
+                    "skips",
+                    f"an array of shape {skips.shape}",
+                    f"give one int >= 0 per payload, shape {shards.shape}",
+                )
+                object.__setattr__(self, "skips", skips.astype(np.int32))
+            if self.times is not None:
+                errors.require(
+                    np.shape(self.times) == shards.shape[:1],
+                    "times",
+                    f"an array of shape {np.shape(self.times)}",
+                    f"give one time per update, shape {shards.shape[:1]}",
+                )
+        elif self.num is None:
+            raise errors.ConfigError("RoundTrace(shards=<traced>) needs num= given explicitly.")
+
+    def __len__(self) -> int:
+        return int(np.shape(self.shards)[0])
+
+    num_slots = 1
+
+    @property
+    def num_workers(self) -> int:
+        return self.num
+
+    @property
+    def num_shards(self) -> int:
+        return self.num
+
+    @property
+    def round_size(self) -> int:
+        return int(np.shape(self.shards)[1])
+
+    def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
+        del key, n_sync
+        return jnp.zeros((), jnp.int32)
+
+    def round(self, state: jax.Array, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        del key, n_sync
+        shards = jnp.asarray(self.shards, jnp.int32)[t]
+        skips = jnp.zeros_like(shards) if self.skips is None else jnp.asarray(self.skips, jnp.int32)[t]
+        time = (t + 1).astype(jnp.float32) if self.times is None else jnp.asarray(self.times, jnp.float32)[t]
+        return state, Round(shards, skips, time, None, None)
+
+
+RoundTrace = _pytree_dataclass(RoundTrace, meta=("num",))
 
 
 class _RingDelay:

@@ -163,9 +163,10 @@ class Plan:
                 f"{type(self.delays).__name__} rounds average gradients computed at w_t: use push='gradients' and "
                 f"n_sync=1 (not push={self.push!r}, n_sync={self.n_sync})."
             )
-        if isinstance(self.delays, delays_lib.Trace) and len(self.delays) < self.num_updates:
+        if isinstance(self.delays, delays_lib.Trace | delays_lib.RoundTrace) and len(self.delays) < self.num_updates:
+            what = "pushes" if isinstance(self.delays, delays_lib.Trace) else "rounds"
             raise errors.ConfigError(
-                f"num_updates={self.num_updates} but the trace holds only {len(self.delays)} pushes: lower "
+                f"num_updates={self.num_updates} but the trace holds only {len(self.delays)} {what}: lower "
                 "num_updates or give a longer trace."
             )
 

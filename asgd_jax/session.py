@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from asgd_jax import checkpoint, errors, trace
-from asgd_jax.delays import Ringmaster, Workers
+from asgd_jax.delays import MSync, Rennala, Ringmaster, Workers
 from asgd_jax.plan import Plan
 
 __all__ = [
@@ -175,11 +175,11 @@ class TrainConfig:
         plan = self.plan
         errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(workers, num_updates=...)")
         errors.require(
-            isinstance(plan.delays, Workers | Ringmaster),
+            isinstance(plan.delays, Workers | Ringmaster | Rennala | MSync),
             "plan.delays",
             plan.delays,
-            "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn), or Plan(Ringmaster(M, "
-            "R, stops=...)); Rennala's and m-Synchronous rounds are the simulator's",
+            "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn), or the optimal-time "
+            "methods' Ringmaster(M, R, stops=), Rennala(M, S, stops=) or MSync(M, m)",
             "--workers",
         )
         errors.require(
@@ -274,9 +274,13 @@ class TrainConfig:
             return jax.random.key(self.seed)
 
     def stop_stale(self) -> int | None:
-        """Ringmaster with stops: the staleness at which a worker's computation is stopped (its R), else None."""
+        """The staleness at which a worker's computation in progress is stopped and restarted at the current weights:
+        Ringmaster's R with stops; 1 for m-Synchronous and Rennala with stops (a round's end stops every
+        computation of it); None (never) otherwise."""
         d = self.plan.delays
-        return d.threshold if isinstance(d, Ringmaster) and d.stops else None
+        if isinstance(d, Ringmaster):
+            return d.threshold if d.stops else None
+        return 1 if isinstance(d, MSync) or (isinstance(d, Rennala) and d.stops) else None
 
     def checkpoint_interval(self) -> int | None:
         """Updates between checkpoints: ``plan.checkpoint_every``, or a tenth of the run with an output folder."""

@@ -603,12 +603,14 @@ def _make_program(key: _Key, loss: loss_lib.Loss, source: _Source, ex: Exchange,
     return _Program(jitted)
 
 
-def _make_evaluator(eval_fn, batched: bool) -> _Program:
+def _make_evaluator(eval_fn, batched: bool, params: Any, model_state: Any) -> _Program:
     """The evaluation's own program, ``(params, model_state, eval_data) -> {"eval_<name>": ...}``: one per eval_fn,
     weights' shapes and run count, shared by every program that evaluates them (a study's arms of one model and
-    grid size compile it once, not once per rule and cluster)."""
-    evaluate = exchange.eval_parts(eval_fn)[0]
+    grid size compile it once, not once per rule and cluster). An eval_fn that returns no dict of scalars is told
+    here, traced on the weights' shapes, before anything compiles."""
+    evaluate, eval_data = exchange.eval_parts(eval_fn)
     one = lambda params, model_state, eval_data: _evaluate(evaluate, params, model_state, eval_data)
+    jax.eval_shape(one, params, model_state, eval_data)
     fn = jax.vmap(one, in_axes=(0, 0, None)) if batched else one
     return _Program({"eval": jax.jit(_named(fn, PROGRAM_NAMES[3]))})
 
@@ -791,7 +793,7 @@ def _prepare(
     if eval_fn is not None:  # keyed by what the evaluation depends on only: the rule and the cluster are not in it
         eval_avals = _avals(params, model_state, exchange.eval_parts(eval_fn)[1])
         eval_key = _Key(None, eval_fn, None, None, None, None, eval_avals, runs)
-        evaluator = _program(eval_key, lambda: _make_evaluator(eval_fn, runs is not None))
+        evaluator = _program(eval_key, lambda: _make_evaluator(eval_fn, runs is not None, params, model_state))
     key = _Key(loss, None, source.rule_key, source.delays_key, plan_key, ex, _avals(params, model_state, data), runs)
 
     def build() -> _Program:

@@ -47,6 +47,7 @@ from asgd_jax.worker import Answer, Sync, Weights
 __all__ = [
     "BadPush",
     "Endpoint",
+    "Gather",
     "ParameterStore",
     "Progress",
     "Snapshot",
@@ -117,6 +118,27 @@ class StaleRound(RuntimeError):
     of the store)."""
 
 
+class Gather(NamedTuple):
+    """A round method's rounds in the store: ``size`` payloads computed at the current weights make one update.
+
+    ``kind``: ``"rennala"`` (Rennala SGD: a worker may give several, averaged in arrival order; a gradient computed at
+    an older iterate is ignored, its minibatch used, unless ``stops``) or ``"msync"`` (m-Synchronous SGD: one per
+    worker, averaged in worker order; the other computations are stopped at the round's end)."""
+
+    kind: str
+    size: int
+    stops: bool
+
+    @classmethod
+    def of(cls, model: Any) -> Gather | None:
+        """The rounds of a delay model (:class:`asgd_jax.delays.Rennala`, :class:`asgd_jax.delays.MSync`), or None."""
+        if isinstance(model, delays.Rennala):
+            return cls("rennala", model.batch, model.stops)
+        if isinstance(model, delays.MSync):
+            return cls("msync", model.m, True)
+        return None
+
+
 class ParameterStore:
     """A parameter server on the host that applies pushes with a rule.
 
@@ -140,6 +162,7 @@ class ParameterStore:
       threshold: Ringmaster ASGD's R (``asgd_jax.delays.Ringmaster``): a push computed ``threshold`` or more updates
         ago is ignored (its minibatches used up, nothing applied, the version not advanced, the trace says
         ``"ignored"``) and answered with the current weights, which become the worker's backup. ``None``: none is.
+      gather: a round method's rounds (:class:`Gather`, :meth:`push_gathered`), or ``None``.
 
     The settings are the trainer's, checked once in :class:`asgd_jax.TrainConfig` and its plan.
 
@@ -166,6 +189,7 @@ class ParameterStore:
         snapshot_every: int | None = None,
         max_nonfinite: int | None = None,
         threshold: int | None = None,
+        gather: Gather | None = None,
     ):
         errors.positive_int("num_workers", num_workers)
         self.threshold = None if threshold is None else errors.positive_int("threshold", threshold)
@@ -205,6 +229,9 @@ class ParameterStore:
         self._round: dict[int, tuple] = {}
         self._round_no, self._round_answer, self._round_abort = 0, None, None
         self._round_cv = threading.Condition()
+        self.gather = gather
+        self._gathered: list[tuple] = []  # this round's payloads: (worker, payload, model state, skips before it)
+        self._gather_skips: dict[int, int] = {}  # per worker: gradients ignored since its last payload of a round
         self._version_cv = threading.Condition()  # notified at every applied update and at close
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
@@ -250,7 +277,9 @@ class ParameterStore:
             return _host_copy(self._backup(self._state, self._id(worker))[:2])
         return _host_copy((self._state.params, self._state.model_state))
 
-    def push(self, worker: int, payload: Any, pulled_version: int, model_state: Any = None) -> Future:
+    def push(
+        self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, round_info: tuple | None = None
+    ) -> Future:
         """Queues a payload computed at the weights of ``pulled_version``.
 
         Returns:
@@ -274,7 +303,7 @@ class ParameterStore:
             if problem:
                 self.rejected += 1
                 raise BadPush(f"push from worker {worker} rejected: {problem}")
-        self._queue.put((worker, payload, pulled_version, model_state, future))
+        self._queue.put((worker, payload, pulled_version, model_state, round_info, future))
         return future
 
     def wait_version(self, version: int, timeout: float) -> int:
@@ -343,6 +372,79 @@ class ParameterStore:
             self._round, self._round_no, self._round_answer = {}, number + 1, answer
             self._round_cv.notify_all()
             return self._answer()
+
+    def push_gathered(
+        self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, timeout: float | None = None
+    ) -> tuple[Any, Any, int]:
+        """A round method's payload (:class:`Gather`) computed at ``pulled_version``; returns the weights to go on at.
+
+        A payload of the current round joins it; the ``size``-th makes the update (their mean, in arrival order for
+        Rennala, in worker order for m-Synchronous, applied once as worker 0 with the round's workers and skips in
+        the trace). Rennala: the worker goes on at once at the same weights (it may give another payload to the same
+        round); m-Synchronous: it waits for the round's end. A payload of a round already past is a computation the
+        round's end should have stopped: :class:`StaleRound` (discarded, its minibatches not used), or, for Rennala
+        without stops, ignored (its minibatches used, the ignore traced) and answered with the current weights.
+
+        Raises:
+          StaleRound: the payload's round is past (restart at the current weights on the same minibatches).
+          StoreClosed: the store closed, or :meth:`abort_rounds` called the rounds off.
+          BadPush: a payload that does not fit the model.
+          TimeoutError: an m-Synchronous round did not complete within ``timeout`` seconds.
+        """
+        self._check_worker(worker)
+        g = self.gather
+        with self._round_cv:
+            if self._round_abort is not None:
+                raise StoreClosed(self._round_abort)
+            if self._closed.is_set():
+                raise StoreClosed(self._closed_reason())
+            if pulled_version != self.applied:
+                if g.kind == "rennala" and not g.stops:
+                    return self._ignore_gathered(worker, pulled_version)
+                raise StaleRound(f"computed at version {pulled_version}, the store is at {self.applied}")
+            problem = self._misfit(payload)
+            if problem:
+                raise BadPush(f"push from worker {worker} rejected: {problem}")
+            self._gathered.append((worker, payload, model_state, self._gather_skips.pop(worker, 0)))
+            number = self._round_no
+            if len(self._gathered) < g.size:
+                if g.kind == "rennala":
+                    params, model_state, version = self.backup(0)
+                    return (*_host_copy((params, model_state)), version)
+                done = self._round_cv.wait_for(
+                    lambda: self._round_no != number or self._round_abort is not None, timeout
+                )
+                if not done:
+                    raise TimeoutError(f"worker {worker}: the round at version {pulled_version} did not complete")
+                if self._round_no == number:
+                    raise StoreClosed(self._round_abort)
+                return self._answer()
+            entries = sorted(self._gathered, key=lambda e: e[0]) if g.kind == "msync" else self._gathered
+            mean = exchange.host_mean([e[1] for e in entries])
+            ms = exchange.host_mean([e[2] for e in entries]) if self._stateful else None
+            info = (tuple(e[0] for e in entries), tuple(e[3] for e in entries))
+            try:
+                answer: Any = self.push(0, mean, pulled_version, ms, round_info=info).result(timeout=timeout)
+            except BadPush as e:  # a non-finite mean: rejected (traced), the next round starts from the same weights
+                log.warning("round at version %d: %s", pulled_version, e)
+                params, model_state, at = self.backup(0)
+                answer = (*_host_copy((params, model_state)), at)
+            except StoreClosed as e:
+                answer = e
+            self._gathered, self._round_no, self._round_answer = [], number + 1, answer
+            self._round_cv.notify_all()
+            return self._answer()
+
+    def _ignore_gathered(self, worker: int, pulled_version: int) -> tuple[Any, Any, int]:
+        """Rennala without stops: a gradient computed at an older iterate is ignored (its minibatch used: a skip
+        before that worker's next payload) and its worker goes on at the current weights."""
+        with self._lock:
+            self.received += 1
+            self.ignored += 1
+            self._write_trace(worker, pulled_version, self.applied - pulled_version, ignored=True)
+        self._gather_skips[worker] = self._gather_skips.get(worker, 0) + 1
+        params, model_state, version = self.backup(0)
+        return (*_host_copy((params, model_state)), version)
 
     def _answer(self) -> tuple[Any, Any, int]:
         if isinstance(self._round_answer, BaseException):
@@ -538,8 +640,11 @@ class ParameterStore:
                     self.late += 1
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
 
-    def _apply(self, worker: int, payload: Any, pulled_version: int, model_state: Any, future: Future) -> None:
-        """One push: rejected (late, non-finite) or applied with the server step, traced, and answered."""
+    def _apply(
+        self, worker: int, payload: Any, pulled_version: int, model_state: Any, round_info: tuple | None, future: Future
+    ) -> None:
+        """One push: rejected (late, non-finite) or applied with the server step, traced, and answered.
+        ``round_info``: a gathered round's mean (pushed as worker 0): its workers and their skips."""
         budget_reached = self.num_updates is not None and self.applied >= self.num_updates
         if self._closed.is_set() and (budget_reached or self.error is not None):
             with self._lock:
@@ -552,17 +657,17 @@ class ParameterStore:
             return
         ms = model_state if self._stateful else None
         if not _all_finite((payload, ms)):  # on the host, before anything reaches the server's state
-            future.set_exception(self._reject_nonfinite(worker, pulled_version))
+            future.set_exception(self._reject_nonfinite(worker, pulled_version, round_info))
             return
         payload, ms = jax.device_put((payload, ms), self.device)
         with self._lock:
             self._nonfinite_streak = 0
             self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
             self.applied += 1
-            self.positions[worker] += 1
+            self._use_minibatches(worker, round_info)
             staleness = int(jax.device_get(staleness))
             self.staleness_counts[staleness] += 1
-            self._write_trace(worker, pulled_version, staleness)  # the staleness the server step saw
+            self._write_trace(worker, pulled_version, staleness, round_info=round_info)  # what the server step saw
             # Host copies: the next exchange updates the state's buffers in place (donation).
             result = (*self._answer_for(worker), self.applied)
             self._last_answer = result[:2]
@@ -601,15 +706,25 @@ class ParameterStore:
             self._state = self._pull(self._state, self._id(worker))
             return (*self._answer_for(worker), self.applied)
 
-    def _reject_nonfinite(self, worker: int, pulled_version: int) -> BadPush:
+    def _use_minibatches(self, worker: int, round_info: tuple | None) -> None:
+        """The data positions a push moves: its worker's, or every payload's of a gathered round (skips included)."""
+        if round_info is None:
+            self.positions[worker] += 1
+            return
+        for w, k in zip(*round_info, strict=True):
+            self.positions[w] += 1 + k
+
+    def _reject_nonfinite(self, worker: int, pulled_version: int, round_info: tuple | None = None) -> BadPush:
         """Counts a NaN/Inf push (its minibatches are used up, which the trace records so that a replay skips them
         too) and stops the store on policy or after a streak."""
         with self._lock:
             self.rejected += 1
-            self.positions[worker] += 1
+            self._use_minibatches(worker, round_info)
             self._nonfinite_streak += 1
             streak = self._nonfinite_streak
-            self._write_trace(worker, pulled_version, self.applied - pulled_version, rejected=True)
+            self._write_trace(
+                worker, pulled_version, self.applied - pulled_version, rejected=True, round_info=round_info
+            )
         message = f"push from worker {worker} (pulled at version {pulled_version}) holds NaN or Inf"
         if self.on_nonfinite == "stop":
             self.fail(BadPush(message + "; stopping (on_nonfinite='stop')"))
@@ -623,7 +738,13 @@ class ParameterStore:
         return BadPush(message)
 
     def _write_trace(
-        self, worker: int, pulled_version: int, staleness: int, rejected: bool = False, ignored: bool = False
+        self,
+        worker: int,
+        pulled_version: int,
+        staleness: int,
+        rejected: bool = False,
+        ignored: bool = False,
+        round_info: tuple | None = None,
     ) -> None:
         """Appends one record to the trace (under the lock, in the order pushes are handled)."""
         if self._trace is None:
@@ -637,6 +758,8 @@ class ParameterStore:
             time=time.perf_counter() - self._t0,
             rejected=rejected,
             ignored=ignored,
+            round=None if round_info is None else tuple(int(w) for w in round_info[0]),
+            round_skips=None if round_info is None else tuple(int(k) for k in round_info[1]),
         )
         try:
             self._trace.write(record)
@@ -725,6 +848,7 @@ def for_run(
         snapshot_every=config.eval_interval() if evaluates else None,
         max_nonfinite=config.max_nonfinite,
         threshold=config.plan.delays.threshold if isinstance(config.plan.delays, delays.Ringmaster) else None,
+        gather=Gather.of(config.plan.delays),
     )
 
 
@@ -751,10 +875,16 @@ class Endpoint:
         source = 0 if self.mode == "sync" else worker
         params, model_state, version = self.store.backup(source)
         params, model_state = jax.device_get((params, model_state))
-        return Sync(Weights(params, model_state, version), int(self.store.positions[source]))
+        # A round method's workers read their own shards at their own pace; SSGD's all at the rounds'.
+        position = self.store.positions[worker if self.store.gather is not None else source]
+        return Sync(Weights(params, model_state, version), int(position))
 
     def pull(self, worker: int) -> Weights:
-        """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts."""
+        """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts. In a
+        round method every worker computes at the current weights, worker 0's backup (the rounds are its pushes)."""
+        if self.mode == "sync":
+            params, model_state, version = self.store.backup(0)
+            return Weights(*jax.device_get((params, model_state)), version)
         params, model_state, version = self.store.pull(worker)
         return Weights(params, model_state, version)
 
@@ -766,11 +896,15 @@ class Endpoint:
     def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
         """Applies a push (or, in SSGD, the round it completes) and answers it."""
         try:
-            if self.mode == "sync":
+            if self.store.gather is not None:
+                weights = self.store.push_gathered(worker, payload, version, model_state, timeout=self.timeout)
+            elif self.mode == "sync":
                 weights = self.store.push_round(worker, payload, version, model_state, timeout=self.timeout)
             else:
                 weights = self.store.push(worker, payload, version, model_state).result(timeout=self.timeout)
         except StaleRound as e:
+            if self.store.gather is not None:  # a computation its round's end stopped: again, on the same minibatches
+                return Answer("restart", self.pull(worker), str(e))
             return Answer("resync", None, str(e))
         except StoreClosed as e:
             return Answer("closed", None, str(e))

@@ -47,11 +47,13 @@ class Record(NamedTuple):
     staleness: int
     time: float  # seconds since the store started
     rejected: bool = False  # a NaN/Inf push: nothing applied, the worker's minibatches used up
-    ignored: bool = False  # Ringmaster: too stale, nothing applied, the worker answered with the current weights
+    ignored: bool = False  # too stale (Ringmaster, Rennala): nothing applied, the worker goes on at the current weights
+    round: tuple[int, ...] | None = None  # a round method's update: its workers, in the order they were averaged
+    round_skips: tuple[int, ...] | None = None  # per payload: its worker's minibatch periods ignored just before it
 
     def line(self) -> str:
         fields = self._asdict()
-        for flag in ("rejected", "ignored"):  # an applied push's line reads as it always has
+        for flag in ("rejected", "ignored", "round", "round_skips"):  # an applied push's line reads as it always has
             if not fields[flag]:
                 del fields[flag]
         return json.dumps(fields) + "\n"
@@ -171,6 +173,18 @@ def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) 
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise bad(name, "true or false")
+    members = fields.get("round")
+    skips = fields.get("round_skips", [0] * len(members) if isinstance(members, list) else None)
+    if members is not None:
+        top = ints["workers"] or workers
+        if not isinstance(members, list) or not members or not all(errors.is_int(w) and w >= 0 for w in members):
+            raise bad("round", "a non-empty list of worker ids")
+        if top is not None and max(members) >= top:
+            raise bad("round", f"a list of worker ids below the run's {top} workers")
+        ok = isinstance(skips, list) and len(skips) == len(members) and all(errors.is_int(k) and k >= 0 for k in skips)
+        if not ok:
+            raise bad("round_skips", "a list of ints >= 0, one per worker of the round")
+        members, skips = tuple(int(w) for w in members), tuple(int(k) for k in skips)
     count = ints["workers"]
     if count is not None and workers is not None and count != workers:
         raise errors.ConfigError(f"{where}: workers={count}, but the records before it say {workers}.")
@@ -186,6 +200,8 @@ def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) 
         float(time),
         flags["rejected"],
         flags["ignored"],
+        members,
+        skips if members is not None else None,
     )
 
 
@@ -205,6 +221,8 @@ class Read(NamedTuple):
     num: int | None  # M as recorded (None for a trace that does not say)
     skips: np.ndarray | None = None  # int32 [updates], None when nothing was rejected or ignored
     pulled: np.ndarray | None = None  # int32 [updates], None when each worker computed at its own last answer
+    rounds: np.ndarray | None = None  # int32 [updates, K]: a round method's run, each update's workers in order
+    round_skips: np.ndarray | None = None  # int32 [updates, K]: the minibatch periods skipped before each payload
 
 
 def read(path: str | os.PathLike) -> Read:
@@ -213,15 +231,12 @@ def read(path: str | os.PathLike) -> Read:
     Raises:
       ConfigError: the file cannot be read, holds no applied record, or a line is not a record (:func:`parse`).
     """
-    workers, times, skips, pulled, num = [], [], [], [], None
-    pending: dict[int, int] = {}  # worker -> its rejected (or ignored) pushes since its last applied one
-    answered: dict[int, int] = {}  # worker -> the version its last applied push was answered with
-    own = True  # every push computed at the weights its own previous applied push brought (a per-worker replay)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise errors.ConfigError(f"{path} is not a readable trace ({type(e).__name__}): give a trace.jsonl.") from None
+    records, num = [], None
     lines = text.split("\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -233,10 +248,18 @@ def read(path: str | os.PathLike) -> Read:
                 break
             raise
         num = record.workers
+        records.append((record, '"pulled_version"' in line))
+    if any(r.round is not None for r, _ in records):
+        return _read_rounds(path, [r for r, _ in records], num)
+    workers, times, skips, pulled = [], [], [], []
+    pending: dict[int, int] = {}  # worker -> its rejected (or ignored) pushes since its last applied one
+    answered: dict[int, int] = {}  # worker -> the version its last applied push was answered with
+    own = True  # every push computed at the weights its own previous applied push brought (a per-worker replay)
+    for record, says_pulled in records:
         if record.rejected or record.ignored:  # (an ignored push's worker computes next at the current weights)
             pending[record.worker] = pending.get(record.worker, 0) + 1
             continue
-        own = own and '"pulled_version"' in line and record.pulled_version == answered.get(record.worker, 0)
+        own = own and says_pulled and record.pulled_version == answered.get(record.worker, 0)
         answered[record.worker] = record.applied_version
         workers.append(record.worker)
         times.append(record.time)
@@ -247,3 +270,37 @@ def read(path: str | os.PathLike) -> Read:
     skipped = np.asarray(skips, np.int32) if any(skips) else None
     versions = None if own else np.asarray(pulled, np.int32)
     return Read(np.asarray(workers, np.int32), np.asarray(times, np.float32), num, skipped, versions)
+
+
+def _read_rounds(path, records: list[Record], num: int | None) -> Read:
+    """A round method's trace: each applied round's workers and skips (its payloads' minibatch periods used before
+    them: the round's own count of ignored gradients, and the payloads of rounds rejected as NaN/Inf since)."""
+    rounds, skips, times, used = [], [], [], {}
+    for record in records:
+        if record.round is None:
+            if record.ignored:  # counted in the next round's skips by the store
+                continue
+            raise errors.ConfigError(f"{path} mixes rounds and single pushes: not one run's trace.")
+        if record.rejected:  # a NaN/Inf round: its payloads' minibatches used up, skipped before their next ones
+            for w, k in zip(record.round, record.round_skips, strict=True):
+                used[w] = used.get(w, 0) + 1 + k
+            continue
+        skip = list(record.round_skips)
+        for j, w in enumerate(record.round):
+            if record.round.index(w) == j:  # a worker's first payload of the round takes what it used before
+                skip[j] += used.pop(w, 0)
+        rounds.append(record.round)
+        skips.append(skip)
+        times.append(record.time)
+    if not rounds or len({len(r) for r in rounds}) != 1:
+        raise errors.ConfigError(f"{path} holds no applied rounds, or rounds of different sizes.")
+    workers = np.asarray([r[0] for r in rounds], np.int32)
+    return Read(
+        workers,
+        np.asarray(times, np.float32),
+        num,
+        None,
+        None,
+        np.asarray(rounds, np.int32),
+        np.asarray(skips, np.int32),
+    )

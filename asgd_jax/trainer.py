@@ -118,8 +118,10 @@ def _start(
         "rule": rules.fingerprint(rule, params),
         "data": _data_fingerprint(data),
     }
-    if isinstance(plan.delays, delays.Ringmaster):  # (a key only such runs have: older checkpoints still resume)
+    if isinstance(plan.delays, delays.Ringmaster):  # (keys only such runs have: older checkpoints still resume)
         header["ringmaster"] = [plan.delays.threshold, plan.delays.stops]
+    if store.Gather.of(plan.delays) is not None:
+        header["rounds"] = list(store.Gather.of(plan.delays))
     if config.resume and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
         store.check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)

@@ -52,10 +52,11 @@ log = logging.getLogger("asgd_jax.worker")
 STOP_POLL = 0.01
 """Seconds between a stoppable computation's checks of whether it is done (it wakes at once when the store moves)."""
 
-ANSWERS = ("ok", "rejected", "closed", "resync")
+ANSWERS = ("ok", "rejected", "closed", "resync", "restart")
 """What a store answers a push with: applied (the fresh weights come back), rejected (NaN/Inf: re-sync and go on),
-closed (the run is over, or the store stopped) or resync (computed at weights the store no longer has: a restarted
-store, an SSGD round already past)."""
+closed (the run is over, or the store stopped), resync (computed at weights the store no longer has: a restarted
+store, an SSGD round already past) or restart (a round method's computation its round's end stopped: compute again
+at the weights that come back, on the same minibatches)."""
 
 
 class Weights(NamedTuple):
@@ -225,10 +226,12 @@ class Worker:
         stop = stop or threading.Event()
         s, stats = self.setup, session.WorkerStats()
         weights, loader = self._start()
+        batches = None  # kept while a computation on them is restarted
         try:
             while not stop.is_set():
                 t0 = time.perf_counter()
-                batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
+                if batches is None:
+                    batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
                 t1 = time.perf_counter()
                 out = self.work(*self._place(weights, batches))
                 while not self._done(out, weights.version, t1, stop):  # stopped: again, at the current weights
@@ -239,6 +242,11 @@ class Worker:
                 t2 = time.perf_counter()
                 answer = self.link.push(s.worker, payload, weights.version, model_state if s.stateful else None, loss)
                 t3 = time.perf_counter()
+                if answer.status == "restart":  # its round ended first: the work is wasted, the minibatches kept
+                    stats.stop(t3 - t1)
+                    weights = answer.weights
+                    continue
+                batches = None
                 stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=float(loss))
                 if answer.status == "ok":
                     weights = answer.weights

@@ -178,6 +178,18 @@ def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray,
     np.testing.assert_allclose(replayed.params, result.params, rtol=1e-6, atol=1e-7)
 
 
+def test_m_synchronous_on_ray_stops_the_straggler_at_each_round_and_replays(local_ray, tmp_path):
+    """Rounds gathered by the store actor: m = 1 of 2 workers, the other 10^6 x slower, stopped at every round's end
+    over the actor link; every round is worker 1's, and the recorded rounds replay."""
+    plan = Plan(asgd_jax.delays.MSync(2, 1), num_updates=20, batch_size=4)
+    config = TrainConfig(plan, seed=3, backend="ray", out=str(tmp_path), slowdown={0: 1e6}, timeout=LIMIT)
+    result = train(lsq_loss, rule(), W0, DATA, config)
+    lines = [json.loads(x) for x in pathlib.Path(result.trace_path).read_text().splitlines()]
+    assert result.pushes_applied == 20 and [x["round"] for x in lines] == [[1]] * 20
+    assert result.workers[0].stopped >= 1
+    np.testing.assert_allclose(replay_clean(tmp_path, rule(), seed=3).params, result.params, rtol=1e-6, atol=1e-7)
+
+
 def test_sync_mode_on_ray_is_the_simulators_ssgd(local_ray):
     seed = 3
     key = jax.random.key(seed)

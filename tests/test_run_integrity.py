@@ -284,3 +284,28 @@ def test_a_refused_resume_on_ray_is_one_line_before_any_actor(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"trace\.jsonl is missing"):
         _train(ray_config)
     assert not ray.is_initialized()
+
+
+def test_recorded_rounds_replay_as_the_mean_of_their_payloads_at_w_t():
+    """A trainer's Rennala or m-Synchronous run comes back as rounds: update t is the mean, in the recorded order, of
+    its workers' gradients at w_t, each on that worker's next minibatch after its skips (a worker twice in a round
+    takes two in a row). A float64 NumPy loop of exactly that agrees with the simulator."""
+    shards = [[2, 0], [1, 1], [0, 2], [1, 0]]
+    skips = [[0, 0], [1, 0], [0, 2], [0, 0]]
+    lr = 0.1
+    model = asgd_jax.delays.RoundTrace(shards, skips, num=3)
+    order = BatchOrder(7, num_shards=3)
+    w = W1.astype(np.float64)
+    for round_shards, round_skips in zip(shards, skips, strict=True):
+        grads = []
+        for s, k in zip(round_shards, round_skips, strict=True):
+            for _ in range(k):
+                order.next(s)
+            x, y = order.next(s)
+            grads.append(x.T @ (x @ w - y) / len(y))
+        w = w - lr * np.mean(grads, axis=0)
+    sim = simulate_lsq(asgd_jax.rules.get("sgd", lr), model, num_updates=4, key=7)
+    np.testing.assert_allclose(sim.params, w, rtol=2e-5, atol=1e-6)
+    assert sim.plan.mode == "sync" and (sim.metrics["staleness"] == 0).all()
+    with pytest.raises(ConfigError, match="holds only 4 rounds"):
+        asgd_jax.Plan(model, num_updates=5)

@@ -8,12 +8,10 @@ import pathlib
 
 import jax
 import numpy as np
-import pytest
 from helpers.problems import DATA, W0, lsq_loss, replay_clean
 
 import asgd_jax
 from asgd_jax import delays, trace
-from asgd_jax.errors import ConfigError
 from asgd_jax.plan import Plan
 from asgd_jax.store import ParameterStore
 from asgd_jax.trainer import TrainConfig, train
@@ -81,12 +79,6 @@ def test_a_computation_r_stale_is_stopped_and_restarted(tmp_path):
     assert result.workers[0].wasted > 0 and all(w.stopped == 0 for w in result.workers[1:])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workers"][0]["stopped"] == result.workers[0].stopped
-
-
-@pytest.mark.parametrize("model", [delays.Rennala(3, 2), delays.MSync(3, 2)])
-def test_the_round_methods_are_refused_by_the_trainer_with_the_reason(model):
-    with pytest.raises(ConfigError, match="Rennala's and m-Synchronous rounds are the simulator's"):
-        TrainConfig(Plan(model, num_updates=10))
 
 
 def test_the_training_script_runs_ringmaster_with_stops(tmp_path, capsys):
