@@ -199,7 +199,19 @@ def _check_array(name: str, value: Any, ok, expected: str, per_update: bool = Fa
         raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be {what} {expected}.")
 
 
-class Workers:
+class _Counted:
+    """A model of ``num`` workers, each reading its own data shard."""
+
+    @property
+    def num_workers(self) -> int:
+        return self.num
+
+    @property
+    def num_shards(self) -> int:
+        return self.num
+
+
+class Workers(_Counted):
     """M event-driven workers with random compute times (the default delay model).
 
     Each worker's time per minibatch is ``mean_compute_time / speeds[w]`` scaled by a draw of ``compute_time``
@@ -285,14 +297,6 @@ class Workers:
     def num_slots(self) -> int:
         return self.num
 
-    @property
-    def num_shards(self) -> int:
-        return self.num
-
-    @property
-    def num_workers(self) -> int:
-        return self.num
-
     def draw(self, key: jax.Array, shape: tuple[int, ...] = (), worker: jax.Array | None = None) -> jax.Array:
         """Compute times of minibatches: ``shape + (num,)`` for every worker, or ``shape`` for one ``worker``."""
         if worker is None:
@@ -351,7 +355,7 @@ class Workers:
 Workers = _pytree_dataclass(Workers, meta=("num", "compute_time"))
 
 
-class Trace:
+class Trace(_Counted):
     """Pushes arrive in exactly the given order of workers; each worker pulls right after it pushes (or, with
     ``pulled``, computes at the version given).
 
@@ -452,14 +456,6 @@ class Trace:
     def num_slots(self) -> int:
         return self.num if self.ring is None else self.ring
 
-    @property
-    def num_workers(self) -> int:
-        return self.num
-
-    @property
-    def num_shards(self) -> int:
-        return self.num
-
     def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
         del key, n_sync
         return jnp.zeros((), jnp.int32)
@@ -495,7 +491,7 @@ class Trace:
 Trace = _pytree_dataclass(Trace, meta=("num", "ring"))
 
 
-class RoundTrace:
+class RoundTrace(_Counted):
     """Recorded rounds, replayed (a trainer's Rennala or m-Synchronous run: :meth:`Trace.load` reads one back so).
 
     Update t averages ``K`` payloads, all computed at w_t: payload j is worker ``shards[t, j]``'s next minibatch, after
@@ -553,14 +549,6 @@ class RoundTrace:
         return int(np.shape(self.shards)[0])
 
     num_slots = 1
-
-    @property
-    def num_workers(self) -> int:
-        return self.num
-
-    @property
-    def num_shards(self) -> int:
-        return self.num
 
     @property
     def round_size(self) -> int:

@@ -350,28 +350,14 @@ class ParameterStore:
             self._round[worker] = (payload, model_state)
             number = self._round_no
             if len(self._round) < self.num_workers:
-                done = self._round_cv.wait_for(
-                    lambda: self._round_no != number or self._round_abort is not None, timeout
+                return self._await_round(
+                    number, f"worker {worker}: the SSGD round at version {pulled_version}", timeout
                 )
-                if not done:
-                    raise TimeoutError(f"worker {worker}: the SSGD round at version {pulled_version} did not complete")
-                if self._round_no == number:
-                    raise StoreClosed(self._round_abort)
-                return self._answer()
             payloads = [self._round[w] for w in range(self.num_workers)]
-            mean = exchange.host_mean([p for p, _ in payloads])
-            ms = exchange.host_mean([m for _, m in payloads]) if self._stateful else None
-            try:
-                answer: Any = self.push(0, mean, pulled_version, ms).result(timeout=timeout)
-            except BadPush as e:  # a non-finite mean: skipped, the next round starts from the same weights
-                log.warning("SSGD round at version %d: %s", pulled_version, e)
-                params, model_state, at = self.backup(0)
-                answer = (*_host_copy((params, model_state)), at)
-            except StoreClosed as e:
-                answer = e
-            self._round, self._round_no, self._round_answer = {}, number + 1, answer
-            self._round_cv.notify_all()
-            return self._answer()
+            self._round = {}
+            return self._finish_round(
+                number, [p for p, _ in payloads], [m for _, m in payloads], pulled_version, timeout
+            )
 
     def push_gathered(
         self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, timeout: float | None = None
@@ -411,29 +397,40 @@ class ParameterStore:
                 if g.kind == "rennala":
                     params, model_state, version = self.backup(0)
                     return (*_host_copy((params, model_state)), version)
-                done = self._round_cv.wait_for(
-                    lambda: self._round_no != number or self._round_abort is not None, timeout
-                )
-                if not done:
-                    raise TimeoutError(f"worker {worker}: the round at version {pulled_version} did not complete")
-                if self._round_no == number:
-                    raise StoreClosed(self._round_abort)
-                return self._answer()
+                return self._await_round(number, f"worker {worker}: the round at version {pulled_version}", timeout)
             entries = sorted(self._gathered, key=lambda e: e[0]) if g.kind == "msync" else self._gathered
-            mean = exchange.host_mean([e[1] for e in entries])
-            ms = exchange.host_mean([e[2] for e in entries]) if self._stateful else None
+            self._gathered = []
             info = (tuple(e[0] for e in entries), tuple(e[3] for e in entries))
-            try:
-                answer: Any = self.push(0, mean, pulled_version, ms, round_info=info).result(timeout=timeout)
-            except BadPush as e:  # a non-finite mean: rejected (traced), the next round starts from the same weights
-                log.warning("round at version %d: %s", pulled_version, e)
-                params, model_state, at = self.backup(0)
-                answer = (*_host_copy((params, model_state)), at)
-            except StoreClosed as e:
-                answer = e
-            self._gathered, self._round_no, self._round_answer = [], number + 1, answer
-            self._round_cv.notify_all()
-            return self._answer()
+            payloads, states = [e[1] for e in entries], [e[2] for e in entries]
+            return self._finish_round(number, payloads, states, pulled_version, timeout, info)
+
+    def _await_round(self, number: int, what: str, timeout: float | None) -> tuple[Any, Any, int]:
+        """Under the round's lock: waits for round ``number`` to be applied (or called off); its answer."""
+        done = self._round_cv.wait_for(lambda: self._round_no != number or self._round_abort is not None, timeout)
+        if not done:
+            raise TimeoutError(f"{what} did not complete")
+        if self._round_no == number:
+            raise StoreClosed(self._round_abort)
+        return self._answer()
+
+    def _finish_round(
+        self, number: int, payloads: list, states: list, pulled_version: int, timeout, info: tuple | None = None
+    ) -> tuple[Any, Any, int]:
+        """Under the round's lock: applies the mean of a round's payloads once, as worker 0 (a non-finite mean is
+        rejected and the next round starts from the same weights), and answers every worker of the round."""
+        mean = exchange.host_mean(payloads)
+        ms = exchange.host_mean(states) if self._stateful else None
+        try:
+            answer: Any = self.push(0, mean, pulled_version, ms, round_info=info).result(timeout=timeout)
+        except BadPush as e:
+            log.warning("round at version %d: %s", pulled_version, e)
+            params, model_state, at = self.backup(0)
+            answer = (*_host_copy((params, model_state)), at)
+        except StoreClosed as e:
+            answer = e
+        self._round_no, self._round_answer = number + 1, answer
+        self._round_cv.notify_all()
+        return self._answer()
 
     def _ignore_gathered(self, worker: int, pulled_version: int) -> tuple[Any, Any, int]:
         """Rennala without stops: a gradient computed at an older iterate is ignored (its minibatch used: a skip
