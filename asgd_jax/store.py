@@ -229,6 +229,7 @@ class ParameterStore:
         self._round: dict[int, tuple] = {}
         self._round_no, self._round_answer, self._round_abort = 0, None, None
         self._round_cv = threading.Condition()
+        self._error_lock = threading.Lock()
         self.gather = gather
         self._gathered: list[tuple] = []  # this round's payloads: (worker, payload, model state, skips before it)
         self._gather_skips: dict[int, int] = {}  # per worker: gradients ignored since its last payload of a round
@@ -585,14 +586,27 @@ class ParameterStore:
         )
 
     def fail(self, error: BaseException) -> None:
-        """Stops the store with ``error`` (the first error wins): nothing more is applied, workers are told why."""
+        """Stops the store with ``error`` (the first error wins): nothing more is applied, workers are told why.
+
+        It never waits for the round's lock: the applier calls it while a worker holds that lock waiting for the very
+        push being applied (an SSGD or round method's mean whose update diverged, a trace write on a full disk), and
+        waiting there was a deadlock until the run's timeout. The rounds are called off at once; their waiters are
+        woken by whoever holds the lock, or by a thread of their own."""
         log.error("the store stopped: %s", error)
-        with self._round_cv:
+        with self._error_lock:
             if self.error is None:
                 self.error = error
         self._closed.set()
         self._notify_version()
-        self.abort_rounds(f"the store stopped: {self.error}")
+        if self._round_abort is None:
+            self._round_abort = f"the store stopped: {self.error}"  # read under the round's lock by its waiters
+        if self._round_cv.acquire(blocking=False):
+            try:
+                self._round_cv.notify_all()
+            finally:
+                self._round_cv.release()
+        else:
+            threading.Thread(target=self.abort_rounds, args=(self._round_abort,), daemon=True).start()
 
     def _restore(self, path: str) -> None:
         state, arrays, header = checkpoint.load(path, self._state)

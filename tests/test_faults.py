@@ -40,6 +40,24 @@ def _train(rule, config, data=DATA, **kw):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(2, mode="sync", num_updates=50, batch_size=8),
+        Plan(asgd_jax.delays.MSync(2, 1), num_updates=50, batch_size=8),
+    ],
+    ids=["ssgd", "m-synchronous"],
+)
+def test_a_round_whose_update_diverges_stops_the_run_at_once(tmp_path, plan):
+    """The applier stops the store while a worker holds the round's lock waiting for that very update: the store
+    must not wait for the lock (it did, until the run's timeout, and the waiting worker failed with a TimeoutError)."""
+    config = TrainConfig(plan, out=str(tmp_path), timeout=GUARD, progress=False)
+    with pytest.raises(RunStopped, match="the weights turned NaN or Inf at update 1"):
+        train(lsq_loss, asgd_jax.asgd(1e38), W0 + 1.0, DATA, config, devices=jax.devices()[:2])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["failures"] == {} and summary["pushes_applied"] == 1
+
+
 def test_a_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     config = TrainConfig(
         Plan(2, num_updates=10_000, batch_size=8, checkpoint_every=1), out=str(tmp_path), timeout=GUARD, progress=False
