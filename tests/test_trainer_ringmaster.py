@@ -95,3 +95,16 @@ def test_the_training_script_runs_ringmaster_with_stops(tmp_path, capsys):
     assert asgd_jax.trainer.replay_plan(out).delays.num == 3
     assert main(["train", "--stops", "--out", str(tmp_path / "x")]) == 2  # --stops alone: named, with the fix
     assert "--ringmaster R" in capsys.readouterr().err
+
+
+def test_a_resumed_ringmaster_run_keeps_its_counts_and_replays(tmp_path):
+    plan = lambda steps: Plan(delays.Ringmaster(3, 2, stops=True), num_updates=steps, batch_size=4)
+    config = lambda steps, **kw: TrainConfig(plan(steps), seed=5, out=str(tmp_path), progress=False, **kw)
+    first = train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config(30, slowdown={0: 20.0}), devices=jax.devices()[:3])
+    again = train(
+        lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config(45, slowdown={0: 20.0}, resume=True), devices=jax.devices()[:3]
+    )
+    assert again.resumed_from == 30 and again.pushes_applied == 45
+    assert again.pushes_ignored >= first.pushes_ignored  # counted over the whole run, the checkpoint's included
+    replayed = replay_clean(tmp_path, asgd_jax.asgd(0.05), seed=5)
+    np.testing.assert_allclose(replayed.params, again.params, rtol=1e-6, atol=1e-7)

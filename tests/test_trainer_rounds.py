@@ -113,3 +113,16 @@ def test_the_training_script_runs_the_round_methods(tmp_path, capsys):
     assert "choose one of --ringmaster, --rennala, --msync" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="m=4 is invalid"):
         TrainConfig(Plan(delays.MSync(3, 4), num_updates=10))
+
+
+@pytest.mark.parametrize("model", [delays.MSync(3, 2), delays.Rennala(3, 2, stops=True)])
+def test_a_resumed_round_method_run_continues_its_trace_and_replays(tmp_path, model):
+    """Resumed from its checkpoint, each worker reads its own shard from its own position again (they differ in a
+    round method), and the whole run's trace replays to the final weights."""
+    first, _ = _run(tmp_path, model, steps=20)
+    assert first.pushes_applied == 20
+    resumed, lines = _run(tmp_path, model, steps=30, resume=True)
+    assert resumed.resumed_from == 20 and resumed.pushes_applied == 30
+    assert sum(not x.get("ignored") for x in lines) == 30
+    replayed = replay_clean(tmp_path, SGD_SMALL, seed=5)
+    np.testing.assert_allclose(replayed.params, resumed.params, rtol=1e-6, atol=1e-7)
