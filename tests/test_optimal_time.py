@@ -181,12 +181,16 @@ def test_m_above_the_workers_a_round_model_with_local_steps_and_a_drawn_delay_on
         asgd_jax.TrainConfig(asgd_jax.Plan(4, time_budget=10.0))
 
 
+def _noisy_loss(w, _):
+    return {"loss": lsq_loss(w, NOISY)}
+
+
 @pytest.mark.parametrize(
     "model", [delays.Ringmaster(LAW, 2, stops=True), delays.Rennala(LAW, 3)], ids=["ringmaster", "rennala"]
 )
 def test_a_killed_run_with_stops_resumes_to_the_same_bits(tmp_path, model):
     """The cluster's state (times, versions, pending skips, busy time) is in the checkpoint like any delay state."""
-    common = dict(num_updates=40, eval_fn=lambda w, _: {"loss": lsq_loss(w, NOISY)}, eval_every=10)
+    common = dict(num_updates=40, eval_fn=_noisy_loss, eval_every=10)  # one eval_fn: its program compiles once
     full = simulate_lsq(SGD, model, **common)
 
     def crash(done, state):
