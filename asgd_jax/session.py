@@ -108,10 +108,13 @@ class TrainConfig:
     """One training run's settings, validated when made: its :class:`asgd_jax.Plan` and how the trainer runs it.
 
     The plan is the run's static description, the same value the simulator reads: the worker count (``Plan(M)``, its
-    delay model ``Workers(M)``: the trainer's delays are real, measured and recorded in ``trace.jsonl``), the budget,
+    delay model ``Workers(M)``: the trainer's delays are real, measured and recorded in ``trace.jsonl``; or an
+    optimal-time method over M workers, ``Ringmaster(M, R, stops=)``, ``Rennala(M, S, stops=)``, ``MSync(M, m)``,
+    whose ignores, stops and rounds the store and the workers carry out for real), the budget,
     the batch, the exchange pattern (``mode``, ``n_sync``, ``push``, ``local_lr``) and the cadence (``eval_every``,
     ``checkpoint_every``). Every field of the plan and of this class is a flag of ``asgd-jax train`` with the same name
-    (``--workers M`` for the plan's delays; ``progress=False`` is ``--no-progress``; ``--steps`` is an alias of
+    (``--workers M`` for the plan's delays, with ``--ringmaster R``, ``--rennala S``, ``--msync m`` and ``--stops``;
+    ``progress=False`` is ``--no-progress``; ``--steps`` is an alias of
     ``--num-updates``); a TOML or JSON ``--config`` file uses the same names. The model, data and rule are
     :func:`asgd_jax.trainer.train`'s other arguments.
 
