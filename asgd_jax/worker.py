@@ -110,9 +110,9 @@ class WorkerSetup:
       seed: the run's seed (its key fixes the minibatch order and the model's randomness, the simulator's).
       stateful: the loss carries a model state, pushed with the payload.
       slowdown: a straggler computes this many times slower (1.0: not one).
-      stop_stale: Ringmaster with stops: a computation that has become this many updates stale before it is done
-        (its straggling included) is stopped and restarted at the current weights on the same minibatches
-        (``None``: never).
+      stop_stale: a computation that has become this many updates stale before it is done (its straggling included)
+        is stopped and restarted at the current weights on the same minibatches: Ringmaster's R with stops, 1 for
+        the round methods that stop at a round's end (``TrainConfig.stop_stale``); ``None``: never.
     """
 
     worker: int
