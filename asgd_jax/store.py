@@ -69,8 +69,8 @@ class StoreStatus(NamedTuple):
     """The counts and how a store stands (what a driver polls and a session ends with).
 
     ``received == applied + rejected + ignored`` always; ``late`` counts the rejected pushes that merely arrived after
-    the store closed; ``ignored`` the pushes a Ringmaster store ignored as too stale; ``positions`` is each worker's
-    data position (pushes applied, rejected as non-finite or ignored)."""
+    the store closed; ``ignored`` the pushes ignored as too stale (Ringmaster; Rennala without stops); ``positions``
+    is each worker's data position (its minibatch periods used by applied, rejected or ignored pushes)."""
 
     applied: int
     rejected: int
