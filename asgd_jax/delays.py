@@ -211,6 +211,19 @@ class _Counted:
         return self.num
 
 
+class _Stateless:
+    """A model whose schedule needs no state between updates (a recorded one, a fixed ring)."""
+
+    def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
+        del key, n_sync
+        return jnp.zeros((), jnp.int32)
+
+
+def _recorded_time(times: Any, t: jax.Array) -> jax.Array:
+    """Update ``t``'s recorded time, or ``t + 1`` for a record without times."""
+    return (t + 1).astype(jnp.float32) if times is None else jnp.asarray(times, jnp.float32)[t]
+
+
 class Workers(_Counted):
     """M event-driven workers with random compute times (the default delay model).
 
@@ -355,7 +368,7 @@ class Workers(_Counted):
 Workers = _pytree_dataclass(Workers, meta=("num", "compute_time"))
 
 
-class Trace(_Counted):
+class Trace(_Counted, _Stateless):
     """Pushes arrive in exactly the given order of workers; each worker pulls right after it pushes (or, with
     ``pulled``, computes at the version given).
 
@@ -456,14 +469,10 @@ class Trace(_Counted):
     def num_slots(self) -> int:
         return self.num if self.ring is None else self.ring
 
-    def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
-        del key, n_sync
-        return jnp.zeros((), jnp.int32)
-
     def next(self, state: jax.Array, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del key, n_sync
         worker = jnp.asarray(self.worker_ids, jnp.int32)[t]
-        times = (t + 1).astype(jnp.float32) if self.times is None else jnp.asarray(self.times, jnp.float32)[t]
+        times = _recorded_time(self.times, t)
         skip = 0 if self.skips is None else jnp.asarray(self.skips, jnp.int32)[t]
         if self.ring is None:
             return state, Event(worker, worker, worker, times, skip)
@@ -491,7 +500,7 @@ class Trace(_Counted):
 Trace = _pytree_dataclass(Trace, meta=("num", "ring"))
 
 
-class RoundTrace(_Counted):
+class RoundTrace(_Counted, _Stateless):
     """Recorded rounds, replayed (a trainer's Rennala or m-Synchronous run: :meth:`Trace.load` reads one back so).
 
     Update t averages ``K`` payloads, all computed at w_t: payload j is worker ``shards[t, j]``'s next minibatch, after
@@ -554,22 +563,18 @@ class RoundTrace(_Counted):
     def round_size(self) -> int:
         return int(np.shape(self.shards)[1])
 
-    def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
-        del key, n_sync
-        return jnp.zeros((), jnp.int32)
-
     def round(self, state: jax.Array, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del key, n_sync
         shards = jnp.asarray(self.shards, jnp.int32)[t]
         skips = jnp.zeros_like(shards) if self.skips is None else jnp.asarray(self.skips, jnp.int32)[t]
-        time = (t + 1).astype(jnp.float32) if self.times is None else jnp.asarray(self.times, jnp.float32)[t]
+        time = _recorded_time(self.times, t)
         return state, Round(shards, skips, time, None, None)
 
 
 RoundTrace = _pytree_dataclass(RoundTrace, meta=("num",))
 
 
-class _RingDelay:
+class _RingDelay(_Stateless):
     """Shared mechanics of the fixed-tau models: ``max_tau + 1`` snapshot slots read as a ring, one data stream."""
 
     @property
@@ -579,10 +584,6 @@ class _RingDelay:
     @property
     def num_shards(self) -> int:
         return 1
-
-    def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
-        del key, n_sync
-        return jnp.zeros((), jnp.int32)
 
     def _event(self, t: jax.Array, tau: jax.Array) -> Event:
         # Slot s holds w_v for the latest v <= t with v = s (mod H), so w_{max(0, t - tau)} sits in its slot.

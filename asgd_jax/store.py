@@ -396,8 +396,7 @@ class ParameterStore:
             number = self._round_no
             if len(self._gathered) < g.size:
                 if g.kind == "rennala":
-                    params, model_state, version = self.backup(0)
-                    return (*_host_copy((params, model_state)), version)
+                    return self.round_weights()
                 return self._await_round(number, f"worker {worker}: the round at version {pulled_version}", timeout)
             entries = sorted(self._gathered, key=lambda e: e[0]) if g.kind == "msync" else self._gathered
             self._gathered = []
@@ -425,8 +424,7 @@ class ParameterStore:
             answer: Any = self.push(0, mean, pulled_version, ms, round_info=info).result(timeout=timeout)
         except BadPush as e:
             log.warning("round at version %d: %s", pulled_version, e)
-            params, model_state, at = self.backup(0)
-            answer = (*_host_copy((params, model_state)), at)
+            answer = self.round_weights()
         except StoreClosed as e:
             answer = e
         self._round_no, self._round_answer = number + 1, answer
@@ -441,6 +439,11 @@ class ParameterStore:
             self.ignored += 1
             self._write_trace(worker, pulled_version, self.applied - pulled_version, ignored=True)
         self._gather_skips[worker] = self._gather_skips.get(worker, 0) + 1
+        return self.round_weights()
+
+    def round_weights(self) -> tuple[Any, Any, int]:
+        """Where every worker of a round computes: worker 0's backup (every round is its push), as host copies, and
+        its version."""
         params, model_state, version = self.backup(0)
         return (*_host_copy((params, model_state)), version)
 
@@ -894,8 +897,7 @@ class Endpoint:
         """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts. In a
         round method every worker computes at the current weights, worker 0's backup (the rounds are its pushes)."""
         if self.mode == "sync":
-            params, model_state, version = self.store.backup(0)
-            return Weights(*jax.device_get((params, model_state)), version)
+            return Weights(*self.store.round_weights())
         params, model_state, version = self.store.pull(worker)
         return Weights(params, model_state, version)
 
