@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from asgd_jax import errors, preprocess
+from asgd_jax import cache, errors, preprocess
 from asgd_jax import loss as loss_lib
 
 __all__ = [
@@ -197,7 +197,10 @@ class Model:
     def _init(self) -> Callable:
         # Jitted once per model: one compile instead of hundreds of eagerly dispatched ops for the deep models.
         dummy = jnp.zeros((1, *self.input_shape), jnp.float32)
-        return jax.jit(lambda k: self.module.init({"params": k, "dropout": k}, dummy, train=False))
+        options = cache.compiler_options("init", jax.default_backend())
+        return jax.jit(
+            lambda k: self.module.init({"params": k, "dropout": k}, dummy, train=False), compiler_options=options
+        )
 
     def init(self, key: jax.Array) -> tuple[Params, ModelState]:
         """Returns ``(params, model_state)`` for a batch-of-one dummy input."""

@@ -171,3 +171,29 @@ def test_a_study_compiles_two_programs_per_arm_and_one_evaluation_per_run_count(
     assert len(run_counts) == 2  # M = 1 and SSGD: 2 runs; the asynchronous arm: 3 rules x 2 seeds
     expected = {"simulator_start": len(arms), "simulator_chunk": len(arms), "simulator_eval": len(run_counts)}
     assert _simulator(counts) == expected, counts
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# How XLA:CPU compiles each program: faster, the same bits.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _without_cpu_options(monkeypatch) -> None:
+    monkeypatch.setattr(asgd_jax.cache, "CPU_COMPILER_OPTIONS", {"init": {}})
+
+
+def test_programs_are_compiled_with_their_cpu_options_and_only_on_a_cpu():
+    assert asgd_jax.cache.compiler_options("init", "cpu") == dict(asgd_jax.cache.CPU_COMPILER_OPTIONS["init"])
+    assert asgd_jax.cache.compiler_options("init", "gpu") is None
+    with pytest.raises(KeyError):
+        asgd_jax.cache.compiler_options("sometimes", "cpu")
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "convnet", "resnet20"])
+def test_a_models_initial_weights_are_the_same_bits_as_with_xlas_defaults(name, monkeypatch):
+    make = lambda: asgd_jax.models.get(name, num_classes=10, input_shape=(8, 8, 3))
+    fast = make().init(jax.random.key(7))
+    _without_cpu_options(monkeypatch)
+    plain = make().init(jax.random.key(7))
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -58,7 +58,7 @@ def chunk_runner(wl, engine: str, length: int):
     data = jax.tree.map(jnp.asarray, wl["data"])
     numbers = {"rule": asgd_jax.recipes.of(rule).numbers, "delays": asgd_jax.delays.split(delays)[1]}
     numbers["local_lr"] = np.float32(0.0)
-    return (lambda s: compiled(s, data, None, key, {}, numbers, np.bool_(0))[0]), state, compiled.as_text()
+    return (lambda s: compiled(s, data, key, {}, numbers)[0]), state, compiled.as_text()
 
 
 def profile(wl, engine: str, length: int, calls: int, top: int, hlo_dir: str | None) -> None:
