@@ -9,6 +9,10 @@ MeanSquare, λ0 = 2), as a user calls it in a notebook cell:
 * second call: the same arguments again;
 * another lr and seed: a new rule (``dc_asgd(2 * lr, ...)``) and another key, the same structure.
 
+Beside the floor, the same algorithm written by hand (``simulator_overhead.py``'s hand-written ``Workers(8)``
+DC-ASGD-a, the workers pushing in turn), also jitted once with the learning rate as an argument: what the simulator's
+second call costs beyond the algorithm itself.
+
 Each figure is the median of interleaved repeats, as a ratio to the floor's second call (its steady state, measured in
 the same repeat), and the first call's fixed cost (first call minus second call) in seconds beside the XLA compile and
 tracing time JAX reports for it. Workloads as in ``simulator_overhead.py``: W (MLP 64-256-256-10, batch 64, 2,000
@@ -35,7 +39,14 @@ import jax
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simulator_overhead import cnn_workload, minibatch_gradient, mlp_workload
+from simulator_overhead import (
+    HAND_WORKERS,
+    cnn_workload,
+    floor_carry,
+    hand_server_step,
+    minibatch_gradient,
+    mlp_workload,
+)
 
 import asgd_jax
 
@@ -65,6 +76,26 @@ def floor(wl, updates: int):
             return (optax.apply_updates(p, u), s), None
 
         return jax.lax.scan(step, (params, opt.init(params)), jax.random.split(key, updates))[0][0]
+
+    return jax.jit(run)
+
+
+def hand(wl, updates: int):
+    """The same algorithm as the simulator's ``Workers(8)`` DC-ASGD-a written by hand in plain JAX, nothing of ours
+    (``simulator_overhead.py``'s: per-worker backups, the workers pushing in turn, the gradient at the pusher's backup,
+    then its pull), jitted once with the learning rate and the key as arguments: ``(carry, lr, key) -> carry``."""
+    gradient = minibatch_gradient(wl)
+
+    def run(carry, lr, key):
+        def step(c, k):
+            params, mean_square, backups, t = c
+            m = t % HAND_WORKERS
+            stale = jax.tree.map(lambda b: b[m], backups)
+            params, mean_square = hand_server_step("dc_asgd_a", params, gradient(stale, k), mean_square, stale, lr)
+            backups = jax.tree.map(lambda b, w: b.at[m].set(w), backups, params)
+            return (params, mean_square, backups, t + 1), None
+
+        return jax.lax.scan(step, carry, jax.random.split(key, updates))[0][0]
 
     return jax.jit(run)
 
@@ -104,14 +135,20 @@ def measure(name: str, repeats: int) -> dict[str, float]:
         rows["floor first"].append(timed(lambda run=run: run(wl["params"], LR, jax.random.key(0))))
         rows["floor second"].append(timed(lambda run=run: run(wl["params"], 2 * LR, jax.random.key(1))))
         forget()
+        by_hand = hand(wl, updates)
+        for row, lr, seed in (("hand first", LR, 0), ("hand second", 2 * LR, 1)):
+            carry = floor_carry(wl, "dc_asgd_a")  # made before the clock starts
+            rows[row].append(timed(lambda f=by_hand, c=carry, lr=lr, k=seed: f(c, lr, jax.random.key(k))))
+        forget()
         events.clear()
         rows["first"].append(timed(lambda: simulate(wl, updates, LR, 0)))
         rows["compile"].append(sum(events[e] for e in COMPILE_EVENTS))
         rows["second"].append(timed(lambda: simulate(wl, updates, LR, 0)))
         rows["other lr and seed"].append(timed(lambda: simulate(wl, updates, 2 * LR, 1)))
     med = {k: statistics.median(v) for k, v in rows.items()}
-    ratios = [s / f for s, f in zip(rows["other lr and seed"], rows["floor second"], strict=True)]
-    med["other ÷ floor"] = statistics.median(ratios)
+    for name in ("floor", "hand"):
+        ratios = [s / f for s, f in zip(rows["other lr and seed"], rows[f"{name} second"], strict=True)]
+        med[f"other ÷ {name}"] = statistics.median(ratios)
     return med
 
 
@@ -122,17 +159,18 @@ def main() -> None:
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; median of {args.repeats}")
     print(
-        "| workload | floor first | floor second | simulate first | fixed cost (compile + trace) | second | "
-        "other lr and seed | ÷ floor second |"
+        "| workload | floor first | floor second | by hand first | by hand second | simulate first | "
+        "fixed cost (compile + trace) | second | other lr and seed | ÷ floor second | ÷ by hand second |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.only:
         m = measure(name, args.repeats)
         fixed = m["first"] - m["second"]
         print(
-            f"| {name} | {m['floor first']:.2f} s | {m['floor second']:.3f} s | {m['first']:.2f} s | "
-            f"{fixed:.2f} s ({m['compile']:.2f} s) | {m['second']:.3f} s | {m['other lr and seed']:.3f} s | "
-            f"{m['other ÷ floor']:.2f} |",
+            f"| {name} | {m['floor first']:.2f} s | {m['floor second']:.3f} s | {m['hand first']:.2f} s | "
+            f"{m['hand second']:.3f} s | {m['first']:.2f} s | {fixed:.2f} s ({m['compile']:.2f} s) | "
+            f"{m['second']:.3f} s | {m['other lr and seed']:.3f} s | {m['other ÷ floor']:.2f} | "
+            f"{m['other ÷ hand']:.2f} |",
             flush=True,
         )
 

@@ -104,16 +104,16 @@ def minibatch_gradient(wl) -> Callable:
     return gradient
 
 
-def hand_server_step(kind: str, w, g, mean_square, stale):
+def hand_server_step(kind: str, w, g, mean_square, stale, lr=LR):
     """The hand-written server step on weights ``w`` (a pytree or one array): ASGD's ``w - lr g``, or DC-ASGD-a's
-    compensated step with one global MeanSquare (m = 0.95, λ0 = 2, ε = 1e-7, as ``asgd_jax.dc_asgd(adaptive=True)``).
-    Returns ``(w, mean_square)``."""
+    compensated step with one global MeanSquare (m = 0.95, λ0 = 2, ε = 1e-7, as ``asgd_jax.dc_asgd(adaptive=True)``),
+    at learning rate ``lr`` (a number, or a traced argument). Returns ``(w, mean_square)``."""
     if kind == "dc_asgd_a":
         mean_square = jax.tree.map(lambda ms, g: 0.95 * ms + 0.05 * g * g, mean_square, g)
         g = jax.tree.map(
             lambda g, w, wb, ms: g + 2.0 / jnp.sqrt(ms + 1e-7) * g * g * (w - wb), g, w, stale, mean_square
         )
-    return jax.tree.map(lambda w, g: w - LR * g, w, g), mean_square
+    return jax.tree.map(lambda w, g: w - lr * g, w, g), mean_square
 
 
 def floor_chunk(wl, length: int, runs: int | None = None, kind: str = "sgd") -> Callable:
