@@ -197,3 +197,20 @@ def test_a_models_initial_weights_are_the_same_bits_as_with_xlas_defaults(name, 
     plain = make().init(jax.random.key(7))
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_models_initialisation_also_runs_inside_a_callers_program():
+    """`jit`, `vmap` and `eval_shape` trace the initialisation into their own program (XLA's options are a top-level
+    program's); the weights are those of the call outside."""
+    model = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
+    key = jax.random.key(3)
+    params, _ = model.init(key)
+    shapes = jax.eval_shape(model.init, key)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes[0]) == jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    inside, _ = jax.jit(model.init)(key)
+    batched, _ = jax.vmap(model.init)(jax.random.split(key, 2))
+    for a, b, c in zip(jax.tree.leaves(params), jax.tree.leaves(inside), jax.tree.leaves(batched), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert c.shape == (2, *a.shape)
+    raw, _ = model.init(jax.random.PRNGKey(3))  # a raw uint32 key: a program of its own shape
+    assert jax.tree.structure(raw) == jax.tree.structure(params)
