@@ -203,6 +203,10 @@ class Model:
     def _programs(self) -> dict[Hashable, Any]:
         return {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Compiled programs stay in their process: a copy (a Ray worker's, a pickle's) compiles its own.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_init", "_programs")}
+
     def init(self, key: jax.Array) -> tuple[Params, ModelState]:
         """Returns ``(params, model_state)`` for a batch-of-one dummy input."""
         # Inside the caller's jit, vmap or eval_shape the initialisation is part of the caller's program.

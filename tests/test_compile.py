@@ -214,3 +214,14 @@ def test_a_models_initialisation_also_runs_inside_a_callers_program():
         assert c.shape == (2, *a.shape)
     raw, _ = model.init(jax.random.PRNGKey(3))  # a raw uint32 key: a program of its own shape
     assert jax.tree.structure(raw) == jax.tree.structure(params)
+
+
+def test_a_model_that_initialised_still_pickles_and_its_copy_gives_the_same_weights():
+    import pickle
+
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1))
+    params, _ = model.init(jax.random.key(2))  # its compiled initialisation is kept on it
+    copy = pickle.loads(pickle.dumps(model))
+    assert copy == model
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(copy.init(jax.random.key(2))[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
