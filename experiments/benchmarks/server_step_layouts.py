@@ -11,6 +11,9 @@ timed against the ``optax.sgd`` floor in the same repeats:
   the weights into a backup).
 * ``stacked``: weights and MeanSquare stacked into one ``[2, ...]`` array, so one loop could write both (XLA:CPU has no
   multi-output fusion). DC-ASGD-a only.
+* ``pulled``: a worker's next gradient computed when it pulls, at the live weights, and kept until its push (the same
+  arithmetic: a gradient depends only on the weights pulled and the next minibatch); no backup is copied to feed a
+  dot. ASGD keeps no backups, DC-ASGD-a keeps them for the correction. Not what the simulator does (see the README).
 
     .venv/bin/python experiments/benchmarks/server_step_layouts.py               # the 1.1M-parameter MLP (L)
     .venv/bin/python experiments/benchmarks/server_step_layouts.py --width 256   # W
@@ -73,8 +76,28 @@ def layouts(wl, length: int):
         stack = tree(lambda x: jnp.broadcast_to(x, (M, *x.shape)).copy(), params)
         return chunk_of(step, length), ([jnp.stack([x, jnp.zeros_like(x)]) for x in params], stack)
 
+    def pulled(kind):
+        # A worker's next gradient computed when it pulls, at the live weights (no backup copied for a dot); the push
+        # reads it back. ASGD keeps no backups at all, DC-ASGD-a keeps them for its correction only.
+        dc = kind == "dc_asgd_a"
+
+        def step(c, k, t):
+            params, ms, backups, pending = c
+            m = t % M
+            g, stale = tree(lambda p: p[m], pending), tree(lambda b: b[m], backups) if dc else params
+            params, ms = bench.hand_server_step(kind, params, g, ms, stale)
+            pending = tree(lambda p, g: p.at[m].set(g), pending, gradient(params, k))
+            backups = tree(lambda b, w: b.at[m].set(w), backups, params) if dc else backups
+            return params, ms, backups, pending
+
+        first = jax.vmap(gradient, in_axes=(None, 0))(params, jax.random.split(jax.random.key(9), M))
+        stack = tree(lambda x: jnp.broadcast_to(x, (M, *x.shape)).copy(), params) if dc else ()
+        return chunk_of(step, length), (tree(jnp.copy, params), tree(jnp.zeros_like, params), stack, first)
+
     return {
         "plain ASGD": plain("asgd"),
+        "pulled ASGD": pulled("asgd"),
+        "pulled DC-ASGD-a": pulled("dc_asgd_a"),
         "indexed ASGD": indexed("asgd"),
         "plain DC-ASGD-a": plain("dc_asgd_a"),
         "indexed DC-ASGD-a": indexed("dc_asgd_a"),
