@@ -15,13 +15,8 @@ Generated datasets (MNIST-1D takes ~3 s to generate on two cores, more than a qu
 ``$XDG_CACHE_HOME/asgd_jax/datasets``. Each file carries a checksum of its arrays and is regenerated when it does not
 match (a truncated or corrupted file is never used).
 
-How much XLA:CPU optimises a program depends on what it does and how often it runs (:data:`CPU_COMPILER_OPTIONS`): a
-model's initialisation compiles 2-3x faster than with XLA's defaults, to the same initial weights.
-
 Example:
   >>> import asgd_jax
-  >>> asgd_jax.cache.compiler_options("init", "gpu") is None
-  True
   >>> asgd_jax.cache.folder({"ASGD_JAX_CACHE_DIR": "off"}) is None
   True
   >>> asgd_jax.cache.folder({"XDG_CACHE_HOME": "/tmp/c"})
@@ -35,33 +30,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["CPU_COMPILER_OPTIONS", "ENV", "compiler_options", "data_folder", "enable", "folder"]
+__all__ = ["ENV", "data_folder", "enable", "folder"]
 
 ENV = "ASGD_JAX_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "")
-
-CPU_COMPILER_OPTIONS: Mapping[str, Mapping[str, object]] = {
-    "init": {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False},
-}
-"""XLA:CPU's options by what a program does, where another choice than XLA's defaults compiles faster and leaves every
-result the same bits (``tests/test_compile.py`` pins it; ``experiments/benchmarks/same_bits.py``):
-
-* ``"init"``, a built-in model's initialisation (random draws, once per model): LLVM's lighter pipeline and XLA's
-  older fusion emitters, 2-3x faster to compile (the cnn 0.5 s instead of 1.4 s, ResNet-20 1.7 s instead of 3.6 s,
-  ResNet-50 5.2 s instead of 6.9 s), the same initial weights for every model of :func:`asgd_jax.models.get`.
-
-Measured and left at XLA's defaults: the simulator's start compiles in half the time with level 1 or the older
-emitters, but both change the workers' first compute times in the last bit for some laws (level 1 or 2 a sum of
-``n_sync`` draws, the older emitters a logarithm); the update loop and the evaluation at level 1 change a
-convolution's results; the older emitters compile the update loop in ~60% of the time and run it ~30% slower; without
-LLVM's most expensive passes it compiles 1.5% faster in ``make demo``'s ablation (10% on W alone)."""
-
-
-def compiler_options(kind: str, platform: str) -> dict[str, object] | None:
-    """The XLA options for a program of ``kind`` (``"init"``, see
-    :data:`CPU_COMPILER_OPTIONS`) on ``platform`` (``"cpu"``, ``"gpu"``, ...); ``None`` (XLA's defaults) off a CPU."""
-    options = CPU_COMPILER_OPTIONS[kind] if platform == "cpu" else None
-    return dict(options) if options else None
 
 
 def folder(environ: Mapping[str, str] | None = None) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from asgd_jax import cache, errors, preprocess
+from asgd_jax import errors, preprocess
 from asgd_jax import loss as loss_lib
 
 __all__ = [
@@ -173,6 +173,14 @@ class ConvNet(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+CPU_INIT_OPTIONS: Mapping[str, Any] = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+"""XLA's options for a model's initialisation on a CPU (random draws, once per model): LLVM's lighter pipeline and
+XLA's older fusion emitters compile it 2-3x faster (the cnn 0.5 s instead of 1.2-1.4 s, ResNet-20 1.7 s instead of
+3.6 s, ResNet-50 5.2 s instead of 6.9 s) to the same weights, bit for bit (``tests/test_compile.py`` pins every
+built-in model against XLA's defaults; level 0 would change them). Every other program keeps XLA's defaults:
+``experiments/benchmarks/README.md`` says what these options would change there."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A model as pure functions.
@@ -216,15 +224,13 @@ class Model:
         return params, variables
 
     def _init_program(self, key: Any) -> Callable:
-        """The initialisation compiled for ``key``'s shape, dtype and platform, with the options of
-        :func:`asgd_jax.cache.compiler_options` ``("init", platform)``: 2-3x faster to compile on a CPU, the same
-        weights."""
+        """The initialisation compiled for ``key``'s shape, dtype and platform (on a CPU: :data:`CPU_INIT_OPTIONS`)."""
         devices = getattr(key, "devices", None)
         platform = next(iter(devices())).platform if callable(devices) else jax.default_backend()
         signature = (np.shape(key), str(key.dtype), platform)
         program = self._programs.get(signature)
         if program is None:
-            options = cache.compiler_options("init", platform)
+            options = dict(CPU_INIT_OPTIONS) if platform == "cpu" else None
             program = self._programs[signature] = self._init.lower(key).compile(options)
         return program
 

@@ -179,14 +179,7 @@ def test_a_study_compiles_two_programs_per_arm_and_one_evaluation_per_run_count(
 
 
 def _without_cpu_options(monkeypatch) -> None:
-    monkeypatch.setattr(asgd_jax.cache, "CPU_COMPILER_OPTIONS", {"init": {}})
-
-
-def test_programs_are_compiled_with_their_cpu_options_and_only_on_a_cpu():
-    assert asgd_jax.cache.compiler_options("init", "cpu") == dict(asgd_jax.cache.CPU_COMPILER_OPTIONS["init"])
-    assert asgd_jax.cache.compiler_options("init", "gpu") is None
-    with pytest.raises(KeyError):
-        asgd_jax.cache.compiler_options("sometimes", "cpu")
+    monkeypatch.setattr(asgd_jax.models, "CPU_INIT_OPTIONS", {})
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "convnet", "resnet20"])
