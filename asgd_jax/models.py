@@ -224,10 +224,10 @@ class Model:
         return params, variables
 
     def _init_program(self, key: Any) -> Callable:
-        """The initialisation compiled for ``key``'s shape, dtype and platform (on a CPU: :data:`CPU_INIT_OPTIONS`)."""
-        devices = getattr(key, "devices", None)
-        platform = next(iter(devices())).platform if callable(devices) else jax.default_backend()
-        signature = (np.shape(key), str(key.dtype), platform)
+        """The initialisation compiled for ``key``'s shape, dtype and device (on a CPU: :data:`CPU_INIT_OPTIONS`)."""
+        sharding = getattr(key, "sharding", None)  # a key on another device gets a program (and weights) there
+        platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.default_backend()
+        signature = (np.shape(key), str(key.dtype), sharding)
         program = self._programs.get(signature)
         if program is None:
             options = dict(CPU_INIT_OPTIONS) if platform == "cpu" else None

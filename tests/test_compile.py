@@ -207,6 +207,11 @@ def test_a_models_initialisation_also_runs_inside_a_callers_program():
         assert c.shape == (2, *a.shape)
     raw, _ = model.init(jax.random.PRNGKey(3))  # a raw uint32 key: a program of its own shape
     assert jax.tree.structure(raw) == jax.tree.structure(params)
+    for device in jax.devices()[1:3]:  # a key on another device: the weights there, the same numbers
+        there, _ = model.init(jax.device_put(key, device))
+        assert {leaf.devices().pop() for leaf in jax.tree.leaves(there)} == {device}
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(there), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_model_that_initialised_still_pickles_and_its_copy_gives_the_same_weights():
