@@ -24,6 +24,7 @@ from asgd_jax import errors, preprocess
 from asgd_jax import loss as loss_lib
 
 __all__ = [
+    "CPU_INIT_OPTIONS",
     "MODELS",
     "Evaluation",
     "Model",
