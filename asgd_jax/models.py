@@ -218,6 +218,7 @@ class Model:
 
     def init(self, key: jax.Array) -> tuple[Params, ModelState]:
         """Returns ``(params, model_state)`` for a batch-of-one dummy input."""
+        errors.require(isinstance(key, jax.Array | np.ndarray), "key", key, "give a PRNG key, e.g. jax.random.key(0)")
         # Inside the caller's jit, vmap or eval_shape the initialisation is part of the caller's program.
         traced = isinstance(key, jax.core.Tracer)
         variables = dict(self._init(key) if traced else self._init_program(key)(key))

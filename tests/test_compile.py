@@ -223,3 +223,10 @@ def test_a_model_that_initialised_still_pickles_and_its_copy_gives_the_same_weig
     assert copy == model
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(copy.init(jax.random.key(2))[0]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("key", [0, "key", None, [0, 1]])
+def test_a_model_initialised_with_no_key_says_what_to_give(key):
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1))
+    with pytest.raises(asgd_jax.ConfigError, match=r"key=.* is invalid: give a PRNG key, e.g. jax.random.key\(0\)"):
+        model.init(key)
