@@ -39,14 +39,7 @@ import jax
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simulator_overhead import (
-    HAND_WORKERS,
-    cnn_workload,
-    floor_carry,
-    hand_server_step,
-    minibatch_gradient,
-    mlp_workload,
-)
+from simulator_overhead import cnn_workload, floor_carry, hand_async_step, minibatch_gradient, mlp_workload
 
 import asgd_jax
 
@@ -87,14 +80,7 @@ def hand(wl, updates: int):
     gradient = minibatch_gradient(wl)
 
     def run(carry, lr, key):
-        def step(c, k):
-            params, mean_square, backups, t = c
-            m = t % HAND_WORKERS
-            stale = jax.tree.map(lambda b: b[m], backups)
-            params, mean_square = hand_server_step("dc_asgd_a", params, gradient(stale, k), mean_square, stale, lr)
-            backups = jax.tree.map(lambda b, w: b.at[m].set(w), backups, params)
-            return (params, mean_square, backups, t + 1), None
-
+        step = hand_async_step(gradient, "dc_asgd_a", lr)
         return jax.lax.scan(step, carry, jax.random.split(key, updates))[0][0]
 
     return jax.jit(run)

@@ -116,6 +116,21 @@ def hand_server_step(kind: str, w, g, mean_square, stale, lr=LR):
     return jax.tree.map(lambda w, g: w - lr * g, w, g), mean_square
 
 
+def hand_async_step(gradient: Callable, kind: str, lr) -> Callable:
+    """The hand-written ``Workers(8)`` engine's scan step over ``(params, mean_square, backups, t)``: worker ``t % M``
+    pushes its gradient at its backup, then pulls (``backups.at[m].set(w)``); ``lr`` a number or a traced argument."""
+
+    def step(c, k):
+        params, mean_square, backups, t = c
+        m = t % HAND_WORKERS
+        stale = jax.tree.map(lambda b: b[m], backups)
+        params, mean_square = hand_server_step(kind, params, gradient(stale, k), mean_square, stale, lr)
+        backups = jax.tree.map(lambda b, w: b.at[m].set(w), backups, params)
+        return (params, mean_square, backups, t + 1), None
+
+    return step
+
+
 def floor_chunk(wl, length: int, runs: int | None = None, kind: str = "sgd") -> Callable:
     """A fresh jitted chunk of ``length`` updates (fresh: every call compiles, as a new user's would).
 
@@ -131,16 +146,9 @@ def floor_chunk(wl, length: int, runs: int | None = None, kind: str = "sgd") -> 
         updates, opt_state = opt.update(gradient(params, k), opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), None
 
-    def async_step(c, k):
-        params, mean_square, backups, t = c
-        m = t % HAND_WORKERS
-        stale = jax.tree.map(lambda b: b[m], backups)
-        params, mean_square = hand_server_step(kind, params, gradient(stale, k), mean_square, stale)
-        backups = jax.tree.map(lambda b, w: b.at[m].set(w), backups, params)
-        return (params, mean_square, backups, t + 1), None
-
     def chunk(carry, key):
-        carry, _ = jax.lax.scan(sgd_step if kind == "sgd" else async_step, carry, jax.random.split(key, length))
+        step = sgd_step if kind == "sgd" else hand_async_step(gradient, kind, LR)
+        carry, _ = jax.lax.scan(step, carry, jax.random.split(key, length))
         return carry
 
     if runs is not None:
