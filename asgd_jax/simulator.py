@@ -952,7 +952,7 @@ def _chunks(programs: _Programs, call: _Call) -> SimulationResult:
             metrics = {k: np.take(v, np.arange(length), axis=axis) for k, v in jax.device_get(metrics).items()}
             so_far.chunks.append(metrics)
             so_far.done = end
-            _check_finite(metrics, end, call.on_nonfinite, warned)
+            _check_finite(metrics, end, call.on_nonfinite, warned, call.runs)
             over = _past_budget(plan, state, so_far, programs.evaluates)
             if path is not None and (
                 end - so_far.saved >= (plan.checkpoint_every or 1) or over or end == plan.num_updates
@@ -1026,16 +1026,21 @@ def _progress_note(last_losses: np.ndarray) -> dict[str, str]:
     return note
 
 
-def _check_finite(metrics: dict[str, np.ndarray], done: int, policy: str, warned: list[bool]) -> None:
-    """Warns (once) or stops when a chunk's training loss is NaN or Inf: a diverging run says so."""
+def _check_finite(
+    metrics: dict[str, np.ndarray], done: int, policy: str, warned: list[bool], runs: int | None = None
+) -> None:
+    """Warns (once) or stops when a chunk's training loss is NaN or Inf: a diverging run says so (a sweep says how
+    many of its ``runs`` own runs, so far: not the copies that pad a sharded sweep)."""
     losses = np.asarray(metrics["loss"])
+    losses = losses if runs is None else losses[:runs]
     bad = ~np.isfinite(losses)
     if policy == "ignore" or not bad.any():
         return
     per_update = bad.reshape(-1, bad.shape[-1]).any(axis=0)  # any run of a sweep
     first = done - losses.shape[-1] + int(np.argmax(per_update))
+    runs = "the run" if losses.ndim == 1 else f"{int(bad.any(axis=-1).sum())} of its {losses.shape[0]} runs"
     message = (
-        f"the training loss is NaN or Inf from update {first + 1} on: the run diverged (lower the learning "
+        f"the training loss is NaN or Inf from update {first + 1} on: {runs} diverged (lower the learning "
         "rate, check the data and the initial weights)"
     )
     if policy == "stop":

@@ -130,6 +130,19 @@ def test_the_simulator_says_when_its_loss_turns_nan():
         )
 
 
+def test_a_sweep_says_how_many_of_its_runs_diverged():
+    """A grid whose large learning rates blow up: the sweep warns once, naming how many of its runs diverged (not
+    the copies that pad a sharded sweep)."""
+    keys, hp = asgd_jax.grid(seeds=[0], learning_rate=[0.05, 1e3, 1e4])
+    plan = asgd_jax.Plan(asgd_jax.delays.Workers(2), batch_size=8, num_updates=40)
+    sweep = lambda **kw: asgd_jax.sweep(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, plan, keys=keys, hparams=hp, **kw)
+    with pytest.warns(RuntimeWarning, match=r"2 of its 3 runs diverged"):
+        losses = sweep(progress=False).metrics["loss"]
+    assert np.isfinite(losses[0]).all() and not np.isfinite(losses[1:, -1]).any()
+    with pytest.warns(RuntimeWarning, match=r"2 of its 3 runs diverged"):
+        sweep(progress=False, devices=jax.devices()[:4])  # padded to 4 runs with a copy of a diverged one
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # A full disk, a dead applier, a timeout
 # --------------------------------------------------------------------------------------------------------------------
