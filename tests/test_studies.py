@@ -234,6 +234,69 @@ def test_best_tuned_picks_by_training_error_and_a_diverged_setting_never_wins():
     assert studies.best_tuned(untuned, runs) == (runs, {})  # without tune: every run, no picks
 
 
+def test_the_table_counts_the_diverged_runs_in_one_line():
+    study = studies.load("staleness_leaderboard")
+    table = studies.format_table(study, _leaderboard_runs(), num_seeds=2)
+    assert (
+        "4 of 16 runs diverged (their training error turned NaN or Inf): a tuned cell counts such a setting as its "
+        "worst." in table
+    )
+    assert "diverged" not in studies.format_table(study, [r for r in _leaderboard_runs() if r["lr"] != 0.4], 2)
+
+
+def _curve(m: int, label: str, lr: float, level: float) -> dict:
+    steps = np.arange(1, 9)
+    return {
+        "coords": {"M": m, "lr": lr, "label": label},
+        "epoch": (steps / 4).tolist(),
+        "update": steps.tolist(),
+        "time": (2.0 * steps).tolist(),
+        "train_error": (level / steps).tolist(),
+        "eval_epoch": [2.0],
+        "test_error": [level],
+    }
+
+
+def test_a_tuned_studys_curves_are_its_picks_in_a_panel_per_row_in_its_own_measure():
+    """The optimal-time study (6 rules x 2 M here, each with a learning rate that wins, one that loses and one that
+    diverges): its curve plot draws each cell's pick only, a panel per M with a colour per rule, ||grad f||^2 as it is
+    on a log axis; the diverged settings are not drawn, and matplotlib lays the figure out without a warning."""
+    import warnings
+
+    study = studies.load("optimal_time")
+    labels = ["A", "B", "C", "D", "E", "F"]
+    runs, curves = [], {}
+    for m in (16, 64):
+        for label in labels:
+            for lr, level in ((0.1, 2.0), (0.2, 1.0), (0.4, math.inf)):
+                runs += [{"M": m, "label": label, "lr": lr, "seed": 0, "train_error": level, "time_to_target": level}]
+                curves[f"{label} (M={m} | lr={lr})"] = _curve(m, label, lr, level)
+    result = studies.StudyResult(study, study.quick, True, runs, curves, 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # matplotlib's layout warnings
+        fig = studies.curves_figure(result, "time")
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["M = 16", "M = 64"]
+    for ax in panels:
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == labels  # one per rule: the pick, lr 0.2
+        np.testing.assert_array_equal(lines[0].get_ydata(), 1.0 / np.arange(1, 9))  # as it is, not in %
+        assert ax.get_yscale() == "log" and len({tuple(line.get_color()) for line in lines}) == len(labels)
+    assert "‖∇f‖²" in fig.get_supylabel() and "picks" not in fig.get_supylabel()
+    assert "virtual time to the target ‖∇f‖²" in studies.format_table(study, runs, num_seeds=1)
+    with pytest.raises(ConfigError, match="x='epochs'"):
+        studies.curves_figure(result, "epochs")
+    few = dataclasses.replace(study, tune=(), measure=None)
+    mine = {n: c for n, c in curves.items() if n.startswith("A ")}  # 6 curves, one of them diverged: one axes
+    fig = studies.curves_figure(studies.StudyResult(few, few.quick, True, runs, mine, 0.0), "epoch")
+    (ax,) = fig.axes
+    assert len(ax.get_lines()) == 6 and ax.get_yscale() == "linear" and "training error (%)" in ax.get_ylabel()
+    np.testing.assert_array_equal(ax.get_lines()[1].get_ydata(), 100.0 * (1.0 / np.arange(1, 9)))
+    assert np.isnan(ax.get_lines()[2].get_ydata()).all()  # Inf left out, not drawn to the sky
+    with pytest.raises(ConfigError, match="measure="):
+        dataclasses.replace(study, measure="  ")
+
+
 def test_equal_time_gives_every_rule_of_a_column_one_budget():
     """The leaderboard's headline: a column's budget is its earliest run end (3.0: rule A's seed 0); SGD reaches the
     target at 5.0, after it, so it shows "—" there, though it would within its own (longer) budget of epochs."""

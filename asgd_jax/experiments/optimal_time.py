@@ -169,4 +169,5 @@ STUDY = Study(
     curves_x=("time",),
     problem=quadratic,
     reference=optimal_time,
+    measure="‖∇f‖²",
 )

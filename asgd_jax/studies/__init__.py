@@ -37,6 +37,7 @@ from asgd_jax.studies.language import (
 )
 from asgd_jax.studies.present import (
     best_tuned,
+    curves_figure,
     format_table,
     plot,
     plot_panels,
@@ -77,6 +78,7 @@ __all__ = [
     "run_arm",
     "run_arm_part",
     "best_tuned",
+    "curves_figure",
     "format_table",
     "load",
     "plot",

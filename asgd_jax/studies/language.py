@@ -250,6 +250,9 @@ class Study:
         same for every row (rule) there: the time at which the column's earliest-finishing run ended its budget of
         epochs, so that every run of the column ran at least that long; a crossing later does not count. Without it,
         each run's own budget of epochs bounds its time to target (a slower rule is given more time).
+      measure: the name of a :attr:`problem`'s own training measure (its loss's aux ``error``, e.g. ``"‖∇f‖²"``):
+        tables and plots call it so, and the curves draw it as it is, on a log axis. None (the default): the
+        classification training error, drawn in %.
     """
 
     name: str
@@ -275,12 +278,20 @@ class Study:
     widen: int = 0
     reference: Callable[[Settings, list[Any]], tuple[str, Mapping[Any, float]]] | None = None
     equal_time: bool = False
+    measure: str | None = None
 
     def __post_init__(self):
         for metric in (self.metric, *self.also):
             errors.choice("metric", metric, METRICS)
         errors.choice("tune_by", self.tune_by, ("train_error", "time_to_target"))
         errors.int_at_least("widen", self.widen, 0, "--widen")
+        if self.measure is not None:
+            errors.require(
+                isinstance(self.measure, str) and self.measure.strip() != "",
+                "measure",
+                self.measure,
+                'name the training measure, e.g. "‖∇f‖²" (or None for the training error in %)',
+            )
 
     def form(self, name: str) -> Settings:
         """The settings of the form ``name``."""

@@ -70,6 +70,16 @@ def within_budgets(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
+def describe(study: Study, metric: str) -> str:
+    """What a table or plot calls ``metric`` (:data:`METRICS`), in the words of the study's :attr:`Study.measure`."""
+    text = METRICS[metric]
+    return text.replace("training error", study.measure) if study.measure else text
+
+
+def _measure(study: Study) -> str:
+    return study.measure or "error"
+
+
 def cell_of(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
     """A run's table cell: ``(facet, row, column)`` of its coordinates."""
     return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
@@ -170,11 +180,11 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     lines: list[str] = []
     for metric in (study.metric, *study.also):
         cells = _cell_values(study, kept, metric)
-        what = METRICS[metric]
+        what = describe(study, metric)
         if metric == "speedup":
             what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
         over = "ratio of mean times" if metric == "speedup" else "mean ± std"
-        by = "training error" if study.tune_by == "train_error" else "time to target"
+        by = (study.measure or "training error") if study.tune_by == "train_error" else "time to target"
         tuned = f"; each cell the best of its {', '.join(study.tune)} grid by {by}" if study.tune else ""
 
         def text(cell, metric=metric):
@@ -193,7 +203,7 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
             lines += ([] if study.facet else [""]) + _grid(study, per_column, lambda t: f"{t:.1f}" if t else "")
     if picks:
         edges = grid_edges(study, runs, picks)
-        by = "training error" if study.tune_by == "train_error" else "time to target"
+        by = (study.measure or "training error") if study.tune_by == "train_error" else "time to target"
         lines += ["", f"The tuned settings picked (lowest {by} over {', '.join(study.tune)})"]
         marked = {
             cell: ", ".join(f"{k} {v:g}{'*' if k in edges[cell] else ''}" for k, v in p.items())
@@ -202,6 +212,13 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         lines += ([] if study.facet else [""]) + _grid(study, marked, str)
         if any(edges.values()):
             lines += ["", "*: the edge of its grid (of 3 or more values): a wider grid may do better."]
+    diverged = sum(not math.isfinite(r.get("train_error", 0.0)) for r in runs)
+    if diverged:
+        lines += [
+            "",
+            f"{diverged:,} of {len(runs):,} runs diverged (their training {_measure(study)} turned NaN or Inf)",
+        ]
+        lines[-1] += ": a tuned cell counts such a setting as its worst." if study.tune else "."
     if study.paper:
         pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
         lines += [
@@ -289,12 +306,12 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, referenc
             _reference_line(ax, cells, facet, rows, *reference)
         if study.facet:
             ax.set_title(f"{study.facet} = {facet}", fontsize=9)
-    axes[0 if numeric else len(axes) // 2].set_ylabel({**METRICS, "speedup": "speed-up"}[metric])
+    axes[0 if numeric else len(axes) // 2].set_ylabel("speed-up" if metric == "speedup" else describe(study, metric))
     axes[-1 if numeric else 0].legend(fontsize=7, ncol=len(cols) if len(axes) > 1 and not numeric else 1)
     tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
     within = " within its column's time budget" if study.equal_time and metric in ("time_to_target", "speedup") else ""
     note = f"\nx: no value (the target not reached{within} in some seed, or diverged)" if missing else ""
-    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {METRICS[metric]}"
+    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {describe(study, metric)}"
     fig.suptitle(textwrap.fill(f"{title}{tuned}", 64 if numeric and len(facets) == 1 else 110) + note, fontsize=10)
     return fig
 
@@ -318,21 +335,89 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     for x in study.curves_x:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        n = len(result.curves)
-        ax.set_prop_cycle(color=plt.cm.tab20(np.linspace(0, 1, max(n, 2))) if n > 10 else plt.cm.tab10(range(n)))
-        for name, c in result.curves.items():
-            ax.plot(c[x], 100 * np.asarray(c["train_error"]), label=name, lw=1)
-        ax.set_xlabel({"epoch": "effective epochs", "update": "server updates", "time": "virtual wall-clock time"}[x])
-        ax.set_ylabel(f"training error (%), smoothed over {result.settings.window} minibatches")
-        ax.set_title(study.title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=5, ncol=2)
-        fig.tight_layout()
+        fig = curves_figure(result, x)
         paths.append(os.path.join(folder, f"curves_{x}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+PANELS_OVER = 10
+"""A curve plot of more curves than this draws one panel per row value (and facet value), not one crowded axes."""
+
+
+def _drawn_curves(study: Study, curves: Mapping[str, dict], picks: dict[tuple, dict[str, Any]]) -> dict[str, dict]:
+    """The curves a plot draws: each cell's tuned pick only, in a tuned study (not every setting of its grid, nor the
+    diverged ones); every curve otherwise."""
+    if not study.tune:
+        return dict(curves)
+
+    def picked(c: dict) -> bool:
+        pick = picks.get(cell_of(study, c["coords"]))
+        return pick is not None and all(c["coords"].get(k) == v for k, v in pick.items())
+
+    return {name: c for name, c in curves.items() if picked(c)}
+
+
+def curves_figure(result: StudyResult, x: str = "epoch"):
+    """The training curves of a study's result against ``x`` (``"epoch"``, ``"update"`` or ``"time"``), as a matplotlib
+    figure (what :func:`plot` writes as ``curves_<x>.png``): each cell's tuned pick in a tuned study, every curve
+    otherwise; one axes, or one panel per (facet, row) value when there are more than :data:`PANELS_OVER` curves, a
+    colour per column value. The training error in %; a study's own :attr:`Study.measure` as it is, on a log axis. A
+    diverged stretch (NaN or Inf) is left out, not drawn to the sky."""
+    import matplotlib.pyplot as plt
+
+    errors.choice("x", x, ("epoch", "update", "time"))
+    study, window = result.study, result.settings.window
+    curves = _drawn_curves(study, result.curves, best_tuned(study, within_budgets(study, result.runs))[1])
+
+    cells = {name: cell_of(study, c["coords"]) for name, c in curves.items()}
+    present = {cell[:2] for cell in cells.values()}
+    facets, rows = _ordered(f for f, _, _ in cells.values()), _ordered(r for _, r, _ in cells.values())
+    panels = [(f, r) for f in facets for r in rows if (f, r) in present]
+    split = len(curves) > PANELS_OVER and len(panels) > 1
+    if not split:
+        panels = [None]
+    ncols = min(4, len(panels))
+    nrows = -(-len(panels) // ncols)
+    size = (6.5, 4.0) if not split else (3.4 * ncols, 2.8 * nrows + 0.9)
+    fig, axes = plt.subplots(nrows, ncols, figsize=size, squeeze=False, sharex=True, sharey=True, layout="constrained")
+    columns = list(dict.fromkeys(cell[2] for cell in cells.values()))
+    palette = plt.cm.tab10.colors if len(columns) <= 10 else plt.cm.tab20.colors
+    colors = {col: palette[i % len(palette)] for i, col in enumerate(columns)}
+    percent = study.measure is None
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        mine = [n for n in curves if panel is None or cells[n][:2] == panel]
+        by_column = [cells[n][2] for n in mine]
+        for name in mine:
+            y = np.asarray(curves[name]["train_error"], np.float64) * (100.0 if percent else 1.0)
+            y[~np.isfinite(y)] = np.nan
+            col = cells[name][2]
+            label = str(col) if split and by_column.count(col) == 1 else name
+            ax.plot(curves[name][x], y, label=label, lw=1, color=colors[col] if split else None)
+        if panel is not None:
+            facet, row = panel
+            ax.set_title(f"{study.facet} = {facet}, " * bool(study.facet) + f"{study.rows} = {row}", fontsize=8)
+        ax.grid(alpha=0.3)
+        if not percent:
+            ax.set_yscale("log")
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    what = "training error (%)" if percent else study.measure
+    what += f", smoothed over {window} minibatches" if window > 1 else ""
+    label_x = {"epoch": "effective epochs", "update": "server updates", "time": "virtual wall-clock time"}[x]
+    for ax in axes.flat[: len(panels)]:
+        ax.set_xlabel(label_x, fontsize=8 if split else None)
+    if split:
+        fig.supylabel(what, fontsize=9)
+        handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines() if h.get_label() in map(str, columns)}
+        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(5, len(handles)), fontsize=7)
+    else:
+        axes[0][0].set_ylabel(what, fontsize=9)
+        axes[0][0].legend(fontsize=6 if len(curves) > 6 else 8)
+    tuned = f" (each cell's pick of its {'/'.join(study.tune)} grid)" if study.tune else ""
+    fig.suptitle(textwrap.fill(f"{study.title}{tuned}", 64 if not split else 110), fontsize=10)
+    return fig
 
 
 def plot_panels(result: StudyResult, path: str | os.PathLike) -> str:

@@ -217,6 +217,7 @@ def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRu
         hparams=hp,
         model_state=model_state,
         eval_fn=setup.eval_fn,
+        on_nonfinite="ignore",  # a grid's diverged runs are expected: the table counts them, once
         progress=progress,
         description=arm.description,
     )
@@ -224,7 +225,13 @@ def _prepare_arm(s: Settings, arm: Arm, setup: _Setup, progress: bool) -> _ArmRu
 
 
 def _arm_results(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list[dict], dict[str, dict]]:
-    """An arm's runs and mean curves, from its sweep's result."""
+    """An arm's runs and mean curves, from its sweep's result (a diverged run's NaN and Inf pass through quietly:
+    the table counts those runs)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _arm_numbers(s, run, result, setup)
+
+
+def _arm_numbers(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list[dict], dict[str, dict]]:
     arm, plan, index, variants = run.arm, run.plan, run.index, run.arm.variants
     n = setup.num_examples
     per_update = s.batch_size * plan.n_sync * plan.payloads
