@@ -70,14 +70,14 @@ def within_budgets(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
-def describe(study: Study, metric: str) -> str:
+def _describe(study: Study, metric: str) -> str:
     """What a table or plot calls ``metric`` (:data:`METRICS`), in the words of the study's :attr:`Study.measure`."""
-    text = METRICS[metric]
-    return text.replace("training error", study.measure) if study.measure else text
+    return METRICS[metric].replace("training error", _measure(study))
 
 
 def _measure(study: Study) -> str:
-    return study.measure or "error"
+    """The name of a run's training measure: the study's own, or the classification training error."""
+    return study.measure or "training error"
 
 
 def cell_of(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -180,11 +180,11 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     lines: list[str] = []
     for metric in (study.metric, *study.also):
         cells = _cell_values(study, kept, metric)
-        what = describe(study, metric)
+        what = _describe(study, metric)
         if metric == "speedup":
             what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
         over = "ratio of mean times" if metric == "speedup" else "mean ± std"
-        by = (study.measure or "training error") if study.tune_by == "train_error" else "time to target"
+        by = _measure(study) if study.tune_by == "train_error" else "time to target"
         tuned = f"; each cell the best of its {', '.join(study.tune)} grid by {by}" if study.tune else ""
 
         def text(cell, metric=metric):
@@ -203,7 +203,7 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
             lines += ([] if study.facet else [""]) + _grid(study, per_column, lambda t: f"{t:.1f}" if t else "")
     if picks:
         edges = grid_edges(study, runs, picks)
-        by = (study.measure or "training error") if study.tune_by == "train_error" else "time to target"
+        by = _measure(study) if study.tune_by == "train_error" else "time to target"
         lines += ["", f"The tuned settings picked (lowest {by} over {', '.join(study.tune)})"]
         marked = {
             cell: ", ".join(f"{k} {v:g}{'*' if k in edges[cell] else ''}" for k, v in p.items())
@@ -216,7 +216,7 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     if diverged:
         lines += [
             "",
-            f"{diverged:,} of {len(runs):,} runs diverged (their training {_measure(study)} turned NaN or Inf)",
+            f"{diverged:,} of {len(runs):,} runs diverged (their {_measure(study)} turned NaN or Inf)",
         ]
         lines[-1] += ": a tuned cell counts such a setting as its worst." if study.tune else "."
     if study.paper:
@@ -306,12 +306,12 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, referenc
             _reference_line(ax, cells, facet, rows, *reference)
         if study.facet:
             ax.set_title(f"{study.facet} = {facet}", fontsize=9)
-    axes[0 if numeric else len(axes) // 2].set_ylabel("speed-up" if metric == "speedup" else describe(study, metric))
+    axes[0 if numeric else len(axes) // 2].set_ylabel("speed-up" if metric == "speedup" else _describe(study, metric))
     axes[-1 if numeric else 0].legend(fontsize=7, ncol=len(cols) if len(axes) > 1 and not numeric else 1)
     tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
     within = " within its column's time budget" if study.equal_time and metric in ("time_to_target", "speedup") else ""
     note = f"\nx: no value (the target not reached{within} in some seed, or diverged)" if missing else ""
-    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {describe(study, metric)}"
+    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {_describe(study, metric)}"
     fig.suptitle(textwrap.fill(f"{title}{tuned}", 64 if numeric and len(facets) == 1 else 110) + note, fontsize=10)
     return fig
 
@@ -395,6 +395,8 @@ def curves_figure(result: StudyResult, x: str = "epoch"):
             col = cells[name][2]
             label = str(col) if split and by_column.count(col) == 1 else name
             ax.plot(curves[name][x], y, label=label, lw=1, color=colors[col] if split else None)
+        if split and len(set(by_column)) < len(by_column):  # several curves of one column here: named here
+            ax.legend(fontsize=6)
         if panel is not None:
             facet, row = panel
             ax.set_title(f"{study.facet} = {facet}, " * bool(study.facet) + f"{study.rows} = {row}", fontsize=8)
