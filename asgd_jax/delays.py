@@ -169,9 +169,26 @@ def _per_worker(name: str, value: Any, num: int) -> Any:
 
 
 def _pytree_dataclass(cls, meta: tuple[str, ...]):
-    cls = dataclasses.dataclass(frozen=True)(cls)
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    cls.__eq__, cls.__hash__ = _equal, _hash
     data = tuple(f.name for f in dataclasses.fields(cls) if f.name not in meta)
     return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Delay models are equal when they are of one class with equal static fields and equal numbers, arrays compared
+    element by element (a dataclass's own ``==`` asks an array for one truth value and raises), a traced number equal
+    only to itself."""
+    if type(a) is not type(b):
+        return NotImplemented
+    (xs, xdef), (ys, ydef) = jax.tree.flatten(a), jax.tree.flatten(b)
+    same = lambda x, y: x is y or (_is_concrete(x) and _is_concrete(y) and np.array_equal(x, y))
+    return xdef == ydef and all(same(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+def _hash(model: Any) -> int:
+    """The class and static fields (equal models have equal hashes; numbers, arrays among them, are not hashed)."""
+    return hash(jax.tree.structure(model))
 
 
 def _is_concrete(x: Any) -> bool:

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.problems import simulate_lsq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asgd_jax
 from asgd_jax import delays
@@ -55,3 +57,24 @@ def test_trace_loads_a_trainer_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"pushes": 1}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         delays.Trace.load(tmp_path / "bad.jsonl")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(0.125, 10.0, width=32), min_size=3, max_size=3),
+    st.lists(st.floats(0.125, 10.0, width=32), min_size=3, max_size=3),
+    st.sampled_from(["workers", "ringmaster", "plan"]),
+)
+def test_delay_models_and_plans_compare_by_value_with_array_numbers(a, b, wrap):
+    """A heterogeneous cluster is a value: == compares its speeds element by element (a dataclass's own == raised on
+    the array, so two Plans of such a cluster could not be compared), and equal models hash alike."""
+    make = {
+        "workers": lambda s: delays.Workers(3, speeds=s),
+        "ringmaster": lambda s: delays.Ringmaster(delays.Workers(3, speeds=s), 2),
+        "plan": lambda s: asgd_jax.Plan(delays.Workers(3, speeds=s), batch_size=4),
+    }[wrap]
+    x, y = make(a), make(b)
+    assert (x == y) is bool(np.array_equal(np.float32(a), np.float32(b))) and x == make(list(a))
+    assert hash(x) == hash(make(list(a))) and (x != y) is not (x == y)
+    assert delays.Workers(3, speeds=a) != delays.Workers(3, speeds=a, compute_time="constant")
+    assert delays.Workers(3, speeds=a) != delays.FixedDelay(2) and delays.Workers(3) == delays.Workers(3)
