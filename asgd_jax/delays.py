@@ -129,14 +129,27 @@ def split(model: Any) -> tuple[Structure, list[jax.Array]]:
       >>> import asgd_jax
       >>> a, numbers = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=2.0))
       >>> b, _ = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=3.0))
-      >>> a == b, len(numbers)  # mean_compute_time, sigma, straggler_slowdown, alpha (the zeros are structure)
-      (True, 4)
+      >>> a == b, len(numbers)  # mean_compute_time, sigma, speeds, straggler_slowdown, alpha (zeros are structure)
+      (True, 5)
+      >>> split(asgd_jax.delays.Workers(4, speeds=[1.0, 2.0, 1.0, 0.5]))[0] == a  # a uniform cluster: speeds 1
+      True
     """
-    leaves, treedef = jax.tree.flatten(model)
+    leaves, treedef = jax.tree.flatten(_as_compiled(model))
     literal = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and x == 0
     zeros = tuple((i, x) for i, x in enumerate(leaves) if literal(x))
     numbers = [x for x in leaves if not literal(x)]
     return Structure(treedef, zeros), numbers
+
+
+def _as_compiled(model: Any) -> Any:
+    """``model`` as its programs see it: a :class:`Workers` without ``speeds`` has speeds 1 (the same times bit for
+    bit: a time divided by 1 is itself), so a uniform cluster shares its programs with every cluster of its size and
+    law, heterogeneous or not; so does the cluster a Ringmaster, Rennala or m-Synchronous model holds."""
+    if isinstance(model, Workers):
+        return model if model.speeds is not None else dataclasses.replace(model, speeds=np.ones(model.num, np.float32))
+    if isinstance(getattr(model, "workers", None), Workers) and dataclasses.is_dataclass(model):
+        return dataclasses.replace(model, workers=_as_compiled(model.workers))
+    return model
 
 
 def sqrt_times(num: int) -> np.ndarray:

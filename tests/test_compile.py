@@ -57,6 +57,25 @@ def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
     assert len({f.tobytes() for f in finals}) == len(calls)  # every call's numbers reached its run
 
 
+def test_a_uniform_cluster_runs_in_the_program_of_any_cluster_of_its_size_and_law():
+    """A notebook starts with Workers(4) and then tries speeds: no second compilation. A uniform cluster is compiled
+    as speeds 1, and a time divided by 1 is itself, so the two give the same bits (also inside Ringmaster)."""
+    plan = lambda model: asgd_jax.Plan(model, batch_size=B, num_updates=40, chunk=20)
+    run = lambda model: asgd_jax.simulate(
+        lsq_loss, asgd_jax.asgd(0.05), jnp.asarray(W0), DATA, plan(model), progress=False
+    )
+    for wrap in (lambda w: w, lambda w: delays.Ringmaster(w, 2)):
+        asgd_jax.simulator.clear_cache()
+        uniform = run(wrap(delays.Workers(4)))
+        with compilations() as counts:
+            ones = run(wrap(delays.Workers(4, speeds=np.ones(4, np.float32))))
+            other = run(wrap(delays.Workers(4, speeds=[1.0, 0.5, 2.0, 1.0])))
+        assert _simulator(counts) == {}, counts
+        np.testing.assert_array_equal(uniform.metrics["time"], ones.metrics["time"])
+        np.testing.assert_array_equal(uniform.params, ones.params)
+        assert not np.array_equal(uniform.metrics["time"], other.metrics["time"])
+
+
 def test_rules_built_by_name_with_other_numbers_share_one_program():
     plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
     for name in rules.names():
