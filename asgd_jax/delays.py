@@ -129,8 +129,8 @@ def split(model: Any) -> tuple[Structure, list[jax.Array]]:
       >>> import asgd_jax
       >>> a, numbers = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=2.0))
       >>> b, _ = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=3.0))
-      >>> a == b, len(numbers)  # mean_compute_time, sigma, speeds, straggler_slowdown, alpha (zeros are structure)
-      (True, 5)
+      >>> a == b, len(numbers)  # all but straggler_prob and noise, whose zeros switch draws off: structure
+      (True, 6)
       >>> split(asgd_jax.delays.Workers(4, speeds=[1.0, 2.0, 1.0, 0.5]))[0] == a  # a uniform cluster: speeds 1
       True
     """
@@ -142,11 +142,16 @@ def split(model: Any) -> tuple[Structure, list[jax.Array]]:
 
 
 def _as_compiled(model: Any) -> Any:
-    """``model`` as its programs see it: a :class:`Workers` without ``speeds`` has speeds 1 (the same times bit for
-    bit: a time divided by 1 is itself), so a uniform cluster shares its programs with every cluster of its size and
-    law, heterogeneous or not; so does the cluster a Ringmaster, Rennala or m-Synchronous model holds."""
+    """``model`` as its programs see it: a :class:`Workers` without ``speeds`` has speeds 1 and a ``comm_time`` of 0
+    is a number (the same times bit for bit: a time divided by 1, or plus 0, is itself), so a uniform cluster without
+    communication cost shares its programs with every cluster of its size and law; so does the cluster a Ringmaster,
+    Rennala or m-Synchronous model holds. (A zero that switches a draw off, ``straggler_prob`` or ``noise``, stays
+    structure.)"""
     if isinstance(model, Workers):
-        return model if model.speeds is not None else dataclasses.replace(model, speeds=np.ones(model.num, np.float32))
+        changes = {"speeds": np.ones(model.num, np.float32)} if model.speeds is None else {}
+        if isinstance(model.comm_time, int | float):  # a float32 argument whatever its value (0 included)
+            changes["comm_time"] = np.float32(model.comm_time)
+        return dataclasses.replace(model, **changes) if changes else model
     if isinstance(getattr(model, "workers", None), Workers) and dataclasses.is_dataclass(model):
         return dataclasses.replace(model, workers=_as_compiled(model.workers))
     return model
