@@ -141,16 +141,25 @@ def split(model: Any) -> tuple[Structure, list[jax.Array]]:
     return Structure(treedef, zeros), numbers
 
 
+_SWITCHES = ("straggler_prob", "noise")
+"""The numbers of :class:`Workers` whose literal zero switches a draw off: structure, not an argument."""
+
+
 def _as_compiled(model: Any) -> Any:
-    """``model`` as its programs see it: a :class:`Workers` without ``speeds`` has speeds 1 and a ``comm_time`` of 0
-    is a number (the same times bit for bit: a time divided by 1, or plus 0, is itself), so a uniform cluster without
-    communication cost shares its programs with every cluster of its size and law; so does the cluster a Ringmaster,
-    Rennala or m-Synchronous model holds. (A zero that switches a draw off, ``straggler_prob`` or ``noise``, stays
-    structure.)"""
+    """``model`` as its programs see it: a :class:`Workers` without ``speeds`` has speeds 1, and its numbers given as
+    Python numbers are float32 (a ``comm_time`` of 0 included), so a uniform cluster without communication cost shares
+    its programs with every cluster of its size and law, whether a number came as ``2.0`` or ``np.float32(2.0)``; the
+    times are the same bit for bit (a time divided by 1, or plus 0, is itself; the draws compute in float32). So does
+    the cluster a Ringmaster, Rennala or m-Synchronous model holds. A zero that switches a draw off stays structure."""
     if isinstance(model, Workers):
         changes = {"speeds": np.ones(model.num, np.float32)} if model.speeds is None else {}
-        if isinstance(model.comm_time, int | float):  # a float32 argument whatever its value (0 included)
-            changes["comm_time"] = np.float32(model.comm_time)
+        for field in dataclasses.fields(model):
+            value = getattr(model, field.name)
+            if field.name == "num" or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if value == 0 and field.name in _SWITCHES:
+                continue  # no stragglers, no noise: no draw
+            changes[field.name] = np.float32(value)
         return dataclasses.replace(model, **changes) if changes else model
     if isinstance(getattr(model, "workers", None), Workers) and dataclasses.is_dataclass(model):
         return dataclasses.replace(model, workers=_as_compiled(model.workers))

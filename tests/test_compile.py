@@ -58,9 +58,9 @@ def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
 
 
 def test_a_uniform_cluster_runs_in_the_program_of_any_cluster_of_its_size_and_law():
-    """A notebook starts with Workers(4) and then tries speeds or a communication cost: no second compilation. A
-    uniform cluster is compiled as speeds 1 and comm_time 0 as a number; a time divided by 1, or plus 0, is itself, so
-    the two give the same bits (also inside Ringmaster)."""
+    """A notebook starts with Workers(4) and then tries speeds, a communication cost or a float32 number: no second
+    compilation. A uniform cluster is compiled as speeds 1, comm_time 0 as a number and Python numbers as float32; a
+    time divided by 1, or plus 0, is itself, so they give the same bits (also inside Ringmaster)."""
     plan = lambda model: asgd_jax.Plan(model, batch_size=B, num_updates=40, chunk=20)
     run = lambda model: asgd_jax.simulate(
         lsq_loss, asgd_jax.asgd(0.05), jnp.asarray(W0), DATA, plan(model), progress=False
@@ -72,9 +72,11 @@ def test_a_uniform_cluster_runs_in_the_program_of_any_cluster_of_its_size_and_la
             ones = run(wrap(delays.Workers(4, speeds=np.ones(4, np.float32))))
             other = run(wrap(delays.Workers(4, speeds=[1.0, 0.5, 2.0, 1.0])))
             talking = run(wrap(delays.Workers(4, comm_time=0.5)))  # a cost per exchange: a number too
+            typed = run(wrap(delays.Workers(4, mean_compute_time=np.float32(1.0))))  # not a Python float: the same
         assert _simulator(counts) == {}, counts
         np.testing.assert_array_equal(uniform.metrics["time"], ones.metrics["time"])
         np.testing.assert_array_equal(uniform.params, ones.params)
+        np.testing.assert_array_equal(uniform.metrics["time"], typed.metrics["time"])
         assert not np.array_equal(uniform.metrics["time"], other.metrics["time"])
         assert not np.array_equal(uniform.metrics["time"], talking.metrics["time"])
 
