@@ -1038,9 +1038,9 @@ def _check_finite(
         return
     per_update = bad.reshape(-1, bad.shape[-1]).any(axis=0)  # any run of a sweep
     first = done - losses.shape[-1] + int(np.argmax(per_update))
-    runs = "the run" if losses.ndim == 1 else f"{int(bad.any(axis=-1).sum())} of its {losses.shape[0]} runs"
+    which = "the run" if losses.ndim == 1 else f"{int(bad.any(axis=-1).sum())} of its {losses.shape[0]} runs"
     message = (
-        f"the training loss is NaN or Inf from update {first + 1} on: {runs} diverged (lower the learning "
+        f"the training loss is NaN or Inf from update {first + 1} on: {which} diverged (lower the learning "
         "rate, check the data and the initial weights)"
     )
     if policy == "stop":
