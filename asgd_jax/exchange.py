@@ -163,9 +163,15 @@ def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, l
     return payload, model_state, losses.mean(), jax.tree.map(jnp.mean, auxes)
 
 
-def worker_function(loss: Loss, ex: Exchange, num_workers: int, local_lr: float | None) -> Callable:
+def worker_function(
+    loss: Loss, ex: Exchange, num_workers: int, local_lr: float | None, layouts: tuple[Any, Any]
+) -> Callable:
     """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
-    (payload, model_state, loss, aux)``: :func:`work` with the simulator's keys, so a recorded run replays."""
+    (payload, model_state, loss, aux)``: :func:`work` with the simulator's keys, so a recorded run replays.
+
+    The weights come in and the payload and model state go out packed (``layouts``: the weights' and the model
+    state's :class:`asgd_jax.packing.Layout`): one buffer per dtype to move, unpacked and packed inside the program."""
+    layout, state_layout = layouts
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     local_lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
 
@@ -174,7 +180,8 @@ def worker_function(loss: Loss, ex: Exchange, num_workers: int, local_lr: float 
         # its id (see asgd_jax.simulator).
         k = jax.random.fold_in(k, v)
         k = jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
-        return work(grad_fn, ex, p, ms, b, k, local_lr)
+        payload, ms, value, aux = work(grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, k, local_lr)
+        return layout.pack(payload), state_layout.pack(ms), value, aux
 
     return jax.jit(run)
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 
-from asgd_jax import driver, errors, exchange, session, store
+from asgd_jax import driver, errors, exchange, packing, session, store
 from asgd_jax import loss as loss_lib
 from asgd_jax.session import TrainConfig
 from asgd_jax.worker import Answer, Sync, Weights, Worker, WorkerSetup
@@ -263,9 +263,10 @@ class _Ray:
         (data_ref,) = self.keep(data)
         actor = ray.remote(WorkerActor)
         stateful = model_state is not None
+        layouts = packing.layouts(params, model_state)
         for w in range(self.m):
             setup = WorkerSetup(
-                w, self.m, ex, c.plan.local_lr, c.seed, stateful, c.slowdown.get(w, 1.0), c.stop_stale()
+                w, self.m, ex, c.plan.local_lr, c.seed, stateful, layouts, c.slowdown.get(w, 1.0), c.stop_stale()
             )
             self.workers[w] = actor.options(
                 name=f"asgd-jax/{self.run_id}/worker-{w}", max_restarts=c.max_restarts, max_task_retries=0, **resources

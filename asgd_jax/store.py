@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, delays, errors, exchange, server, session, trace
+from asgd_jax import checkpoint, delays, errors, exchange, packing, server, session, trace
 from asgd_jax.worker import Answer, Sync, Weights
 
 __all__ = [
@@ -219,11 +219,14 @@ class ParameterStore:
                     "(--resume) to continue that run, or choose another output folder."
                 )
             self._restore(self.checkpoint_path)
-        self._last_answer = _host_copy((self._state.params, self._state.model_state))
+        self._stateful = model_state is not None
+        # Pushes and answers cross as packed buffers (one per dtype), whatever the leaf count (asgd_jax.packing).
+        self.layout = packing.Layout.of(state.params)
+        self.model_state_layout = packing.Layout.of(state.model_state if self._stateful else {})
         self._structure = jax.tree.structure(state.params)
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
-        self._stateful = model_state is not None
         self._compile(rule)
+        self._last_answer = self._host(self._answer_program(self._state, self._id(0)))
         self._lock = threading.Lock()
         # SSGD rounds: this round's payloads by worker, the round's number and answer, and why rounds were called off.
         self._round: dict[int, tuple] = {}
@@ -250,61 +253,121 @@ class ParameterStore:
         self._applier.start()
 
     def _compile(self, rule: optax.GradientTransformation) -> None:
-        """The very same server step the simulator scans, jitted for the host.
+        """The very same server step the simulator scans, jitted for the store's device, on packed pushes.
 
-        A model state of None keeps the server's (server.push's own convention), so one function serves both cases.
+        One program per push: the payload's leaves are slices of its packed buffers, the finite check is an output
+        (a payload with NaN/Inf leaves the state as it was, under ``lax.cond``), and so are the staleness and the
+        answer: what the worker computes at next, packed, with its own finite check (weights that turned NaN/Inf).
         The state is donated: the server updates weights, rule state and the M backups in place instead of copying
-        (M + 2) x params per push, which made the store as slow as a gradient (benchmarks/trainer_overhead.py).
+        (M + 2) x params per push (benchmarks/trainer_overhead.py, store_push.py).
         """
-        self._exchange = jax.jit(lambda s, w, g, ms: server.exchange(rule, s, w, g, ms), donate_argnums=0)
+        layout, ms_layout, stateful = self.layout, self.model_state_layout, self._stateful
+
+        def answer(s, w):  # what a pull by w sends (a pull-side rule's look-ahead is its backup), packed
+            params, model_state = server.snapshot(s, w) if server.has_pull(rule) else (s.params, s.model_state)
+            return layout.pack(params), ms_layout.pack(model_state if stateful else {})
+
+        def exchange_packed(s, w, g, ms):
+            ok = _finite_packed((*g, *ms))
+            grads, model_state = layout.unpack(g), ms_layout.unpack(ms) if stateful else None
+            # Applied at most once: a loop of ok (0 or 1) trips keeps the per-worker stacks updated in place, where
+            # lax.cond made XLA copy them on every push (tests/test_store.py pins it on the compiled HLO).
+            s, staleness, _ = jax.lax.while_loop(
+                lambda c: c[2] < ok.astype(jnp.int32),
+                lambda c: (*server.exchange(rule, c[0], w, grads, model_state), c[2] + 1),
+                (s, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)),
+            )
+            sent = answer(s, w)
+            return s, staleness, ok, _finite_packed(sent[0]), sent
+
+        self._exchange = jax.jit(exchange_packed, donate_argnums=0)
         self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
-        # What a worker gets back: the weights, or a pull-side rule's look-ahead, which the pull kept as its backup.
+        self._answer_program = jax.jit(answer)
         self._sends = server.has_pull(rule)
         self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
+        self._weights = jax.jit(lambda s: (layout.pack(s.params), ms_layout.pack(s.model_state if stateful else {})))
+
+    def _host(self, packed: tuple) -> tuple:
+        """Packed device buffers as host arrays: zero-copy views on a CPU (the answer is a fresh buffer of its own,
+        never donated), one transfer per buffer from an accelerator."""
+        return jax.tree.map(np.asarray, jax.device_get(packed))
+
+    def unpack(self, packed: tuple) -> tuple[Any, Any]:
+        """Packed ``(params, model_state)`` host buffers as the model's pytrees (views, no copy)."""
+        params, model_state = packed
+        return self.layout.unpack_host(params), self.model_state_layout.unpack_host(
+            model_state
+        ) if self._stateful else None
+
+    def _packed_payload(self, worker: int, payload: Any, model_state: Any) -> tuple[tuple, tuple]:
+        """A push's payload and model state as packed host buffers: given packed (a worker's), or packed here from
+        the model's pytrees (checked first: a misfit is a :class:`BadPush` naming the leaf)."""
+        if self.layout.misfit(payload) is not None:
+            problem = self._misfit(payload)
+            if problem:
+                raise BadPush(f"push from worker {worker} rejected: {problem}")
+            payload = self.layout.pack_host(payload)
+        if not self._stateful:
+            return payload, ()
+        if self.model_state_layout.misfit(model_state) is not None:
+            model_state = self.model_state_layout.pack_host(model_state)
+        return payload, model_state
 
     # -- the worker-facing API ----------------------------------------------------------------------------------------
 
-    def pull(self, worker: int) -> tuple[Any, Any, int]:
+    def pull(self, worker: int, *, packed: bool = False) -> tuple[Any, Any, int]:
         """Records ``worker``'s backup; returns ``(params, model_state, version)``: the weights it computes at (host
-        copies)."""
+        arrays; ``packed``: as packed buffers, :attr:`layout`'s)."""
         self._check_worker(worker)
         with self._lock:
             self._state = self._pull(self._state, self._id(worker))
-            return (*self._answer_for(worker), self.applied)
+            answer = self._host(self._answer_program(self._state, self._id(worker)))
+            return (*self._reply(answer, packed), self.applied)
 
-    def _answer_for(self, worker: int) -> tuple[Any, Any]:
-        """What ``worker`` computes at after its pull, as host copies: the weights, or what a pull-side rule sent."""
-        if self._sends:
-            return _host_copy(self._backup(self._state, self._id(worker))[:2])
-        return _host_copy((self._state.params, self._state.model_state))
+    def _reply(self, answer: tuple, packed: bool) -> tuple[Any, Any]:
+        """A packed answer as its caller wants it: packed, or as the model's pytrees (views)."""
+        return answer if packed else self.unpack(answer)
 
     def push(
-        self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, round_info: tuple | None = None
+        self,
+        worker: int,
+        payload: Any,
+        pulled_version: int,
+        model_state: Any = None,
+        round_info: tuple | None = None,
+        *,
+        packed: bool = False,
     ) -> Future:
         """Queues a payload computed at the weights of ``pulled_version``.
 
+        The payload is the model's pytree or its packed buffers (:attr:`layout`, what a worker sends); it is moved to
+        the store's device here, on the pushing thread, while the applier applies the pushes queued before it.
+
         Returns:
           A future resolving to ``(params, model_state, version)``: the weights right after this push was applied,
-          already recorded as this worker's backup (its next pull). It raises :class:`BadPush` for a rejected
-          non-finite payload and :class:`StoreClosed` once the store stopped.
+          already recorded as this worker's backup (its next pull), as pytrees (``packed``: packed buffers). It raises
+          :class:`BadPush` for a rejected non-finite payload and :class:`StoreClosed` once the store stopped.
 
         Raises:
           BadPush: at once, for a payload whose structure, shapes or dtypes do not fit the model.
           StoreClosed: when the store no longer takes pushes.
         """
         self._check_worker(worker)
-        future: Future = Future()
         with self._lock:
             self.received += 1
             if self._closed.is_set():
                 self.rejected += 1
                 self.late += 1
                 raise StoreClosed(self._closed_reason())
-            problem = self._misfit(payload)
-            if problem:
+        try:
+            g, ms = self._packed_payload(worker, payload, model_state)
+        except BadPush:
+            with self._lock:
                 self.rejected += 1
-                raise BadPush(f"push from worker {worker} rejected: {problem}")
-        self._queue.put((worker, payload, pulled_version, model_state, round_info, future))
+            raise
+        g, ms = jax.device_put((g, ms), self.device)  # explicit; overlaps the apply of the pushes ahead of it
+        future: Future = Future()
+        self._queue.put((worker, g, ms, pulled_version, round_info, packed, future))
         return future
 
     def wait_version(self, version: int, timeout: float) -> int:
@@ -326,7 +389,14 @@ class ParameterStore:
         return params, model_state, int(jax.device_get(version))
 
     def push_round(
-        self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, timeout: float | None = None
+        self,
+        worker: int,
+        payload: Any,
+        pulled_version: int,
+        model_state: Any = None,
+        timeout: float | None = None,
+        *,
+        packed: bool = False,
     ) -> tuple[Any, Any, int]:
         """SSGD: ``worker``'s payload for the round at ``pulled_version``; blocks until all M have sent theirs.
 
@@ -348,20 +418,27 @@ class ParameterStore:
                 raise StoreClosed(self._round_abort)
             if pulled_version != self.applied:
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {self.applied}")
-            self._round[worker] = (payload, model_state)
+            self._round[worker] = self._packed_payload(worker, payload, model_state)
             number = self._round_no
             if len(self._round) < self.num_workers:
                 return self._await_round(
-                    number, f"worker {worker}: the SSGD round at version {pulled_version}", timeout
+                    number, f"worker {worker}: the SSGD round at version {pulled_version}", timeout, packed
                 )
             payloads = [self._round[w] for w in range(self.num_workers)]
             self._round = {}
             return self._finish_round(
-                number, [p for p, _ in payloads], [m for _, m in payloads], pulled_version, timeout
+                number, [p for p, _ in payloads], [m for _, m in payloads], pulled_version, timeout, packed
             )
 
     def push_gathered(
-        self, worker: int, payload: Any, pulled_version: int, model_state: Any = None, timeout: float | None = None
+        self,
+        worker: int,
+        payload: Any,
+        pulled_version: int,
+        model_state: Any = None,
+        timeout: float | None = None,
+        *,
+        packed: bool = False,
     ) -> tuple[Any, Any, int]:
         """A round method's payload (:class:`Gather`) computed at ``pulled_version``; returns the weights to go on at.
 
@@ -387,51 +464,57 @@ class ParameterStore:
                 raise StoreClosed(self._closed_reason())
             if pulled_version != self.applied:
                 if g.kind == "rennala" and not g.stops:
-                    return self._ignore_gathered(worker, pulled_version)
+                    return self._ignore_gathered(worker, pulled_version, packed)
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {self.applied}")
-            problem = self._misfit(payload)
-            if problem:
-                raise BadPush(f"push from worker {worker} rejected: {problem}")
+            payload, model_state = self._packed_payload(worker, payload, model_state)
             self._gathered.append((worker, payload, model_state, self._gather_skips.pop(worker, 0)))
             number = self._round_no
             if len(self._gathered) < g.size:
                 if g.kind == "rennala":
-                    return self.round_weights()
-                return self._await_round(number, f"worker {worker}: the round at version {pulled_version}", timeout)
+                    return self.round_weights(packed=packed)
+                what = f"worker {worker}: the round at version {pulled_version}"
+                return self._await_round(number, what, timeout, packed)
             entries = sorted(self._gathered, key=lambda e: e[0]) if g.kind == "msync" else self._gathered
             self._gathered = []
             info = (tuple(e[0] for e in entries), tuple(e[3] for e in entries))
             payloads, states = [e[1] for e in entries], [e[2] for e in entries]
-            return self._finish_round(number, payloads, states, pulled_version, timeout, info)
+            return self._finish_round(number, payloads, states, pulled_version, timeout, packed, info)
 
-    def _await_round(self, number: int, what: str, timeout: float | None) -> tuple[Any, Any, int]:
+    def _await_round(self, number: int, what: str, timeout: float | None, packed: bool) -> tuple[Any, Any, int]:
         """Under the round's lock: waits for round ``number`` to be applied (or called off); its answer."""
         done = self._round_cv.wait_for(lambda: self._round_no != number or self._round_abort is not None, timeout)
         if not done:
             raise TimeoutError(f"{what} did not complete")
         if self._round_no == number:
             raise StoreClosed(self._round_abort)
-        return self._answer()
+        return self._answer(packed)
 
     def _finish_round(
-        self, number: int, payloads: list, states: list, pulled_version: int, timeout, info: tuple | None = None
+        self,
+        number: int,
+        payloads: list,
+        states: list,
+        pulled_version: int,
+        timeout,
+        packed: bool,
+        info: tuple | None = None,
     ) -> tuple[Any, Any, int]:
         """Under the round's lock: applies the mean of a round's payloads once, as worker 0 (a non-finite mean is
         rejected and the next round starts from the same weights), and answers every worker of the round."""
         mean = exchange.host_mean(payloads)
-        ms = exchange.host_mean(states) if self._stateful else None
+        ms = exchange.host_mean(states) if self._stateful else ()
         try:
-            answer: Any = self.push(0, mean, pulled_version, ms, round_info=info).result(timeout=timeout)
+            answer: Any = self.push(0, mean, pulled_version, ms, round_info=info, packed=True).result(timeout=timeout)
         except BadPush as e:
             log.warning("round at version %d: %s", pulled_version, e)
-            answer = self.round_weights()
+            answer = self.round_weights(packed=True)
         except StoreClosed as e:
             answer = e
         self._round_no, self._round_answer = number + 1, answer
         self._round_cv.notify_all()
-        return self._answer()
+        return self._answer(packed)
 
-    def _ignore_gathered(self, worker: int, pulled_version: int) -> tuple[Any, Any, int]:
+    def _ignore_gathered(self, worker: int, pulled_version: int, packed: bool) -> tuple[Any, Any, int]:
         """Rennala without stops: a gradient computed at an older iterate is ignored (its minibatch used: a skip
         before that worker's next payload) and its worker goes on at the current weights."""
         with self._lock:
@@ -439,18 +522,27 @@ class ParameterStore:
             self.ignored += 1
             self._write_trace(worker, pulled_version, self.applied - pulled_version, ignored=True)
         self._gather_skips[worker] = self._gather_skips.get(worker, 0) + 1
-        return self.round_weights()
+        return self.round_weights(packed=packed)
 
-    def round_weights(self) -> tuple[Any, Any, int]:
-        """Where every worker of a round computes: worker 0's backup (every round is its push), as host copies, and
-        its version."""
+    def round_weights(self, *, packed: bool = False) -> tuple[Any, Any, int]:
+        """Where every worker of a round computes: worker 0's backup (every round is its push), as host copies
+        (``packed``: packed buffers), and its version."""
         params, model_state, version = self.backup(0)
-        return (*_host_copy((params, model_state)), version)
+        params, model_state = _host_copy((params, model_state))
+        if packed:
+            return self.layout.pack_host(params), self.pack_model_state(model_state), version
+        return params, model_state, version
 
-    def _answer(self) -> tuple[Any, Any, int]:
+    def pack_model_state(self, model_state: Any) -> tuple:
+        """A model state as packed host buffers (``()`` for a model without one)."""
+        return self.model_state_layout.pack_host(model_state) if self._stateful else ()
+
+    def _answer(self, packed: bool) -> tuple[Any, Any, int]:
+        """The last round's answer, as this caller wants it."""
         if isinstance(self._round_answer, BaseException):
             raise self._round_answer
-        return self._round_answer
+        params, model_state, version = self._round_answer
+        return (*self._reply((params, model_state), packed), version)
 
     def abort_rounds(self, why: str) -> None:
         """Calls the SSGD rounds off (a worker died): every worker waiting in :meth:`push_round` gets StoreClosed."""
@@ -463,20 +555,20 @@ class ParameterStore:
         """The compiled exchange (push then pull) for ``worker``'s ``payload``, lowered, for inspection: what one push
         costs (``.compile().as_text()`` is its optimised HLO)."""
         self._check_worker(worker)
+        g, ms = jax.device_put(self._packed_payload(worker, payload, model_state), self.device)
         with self._lock:
-            return self._exchange.lower(self._state, self._id(worker), payload, model_state)
+            return self._exchange.lower(self._state, self._id(worker), g, ms)
 
     def warm_up(self) -> None:
         """Compiles the exchange (and the backup lookup) now, on a scratch copy of the state, so the first push does
         not pay for compilation (hundreds of milliseconds; the trainer calls this before its clock starts)."""
         with self._lock:
             # A scratch copy (donated below; the live state is untouched) and a zero payload, made on the device.
-            scratch, zeros = jax.jit(lambda st: (jax.tree.map(jnp.copy, st), jax.tree.map(jnp.zeros_like, st.params)))(
-                self._state
-            )
-            model_state = self._state.model_state if self._stateful else None
-            jax.block_until_ready(self._exchange(scratch, self._id(0), zeros, model_state))
+            scratch = jax.jit(lambda st: jax.tree.map(jnp.copy, st))(self._state)
+            g, ms = jax.device_put(self._zeros, self.device)
+            jax.block_until_ready(self._exchange(scratch, self._id(0), g, ms))
             jax.block_until_ready(self._backup(self._state, self._id(0)))
+            jax.block_until_ready(self._weights(self._state))
 
     def close(self) -> None:
         """Stops taking pushes, lets the applier finish the queue, writes the final checkpoint, closes the trace."""
@@ -522,7 +614,7 @@ class ParameterStore:
         with self._lock:
             if not self._state_lost():
                 return _host_copy((self._state.params, self._state.model_state))
-            return self._last_answer
+            return self.unpack(self._last_answer)
 
     def _state_lost(self) -> bool:
         return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state))
@@ -548,6 +640,12 @@ class ParameterStore:
         with self._lock:
             snapshots, self._snapshots = self._snapshots, []
         return snapshots
+
+    @property
+    def _zeros(self) -> tuple[tuple, tuple]:
+        """A zero payload, packed (what compiles the exchange)."""
+        zeros = lambda layout: tuple(np.zeros(n, d) for n, d in zip(layout.sizes, layout.dtypes, strict=True))
+        return zeros(self.layout), zeros(self.model_state_layout) if self._stateful else ()
 
     @property
     def closed(self) -> bool:
@@ -655,7 +753,14 @@ class ParameterStore:
                 item[-1].set_exception(StoreClosed(self._closed_reason()))
 
     def _apply(
-        self, worker: int, payload: Any, pulled_version: int, model_state: Any, round_info: tuple | None, future: Future
+        self,
+        worker: int,
+        payload: tuple,
+        model_state: tuple,
+        pulled_version: int,
+        round_info: tuple | None,
+        packed: bool,
+        future: Future,
     ) -> None:
         """One push: rejected (late, non-finite) or applied with the server step, traced, and answered.
         ``round_info``: a gathered round's mean (pushed as worker 0): its workers and their skips."""
@@ -667,58 +772,71 @@ class ParameterStore:
             future.set_exception(StoreClosed(self._closed_reason()))
             return
         if self.threshold is not None and self.applied - pulled_version >= self.threshold:
-            future.set_result(self._ignore(worker, pulled_version))
+            future.set_result(self._ignore(worker, pulled_version, packed))
             return
-        ms = model_state if self._stateful else None
-        if not _all_finite((payload, ms)):  # on the host, before anything reaches the server's state
+        with self._lock:
+            self._state, staleness, ok, sound, sent = self._exchange(
+                self._state, self._id(worker), payload, model_state
+            )
+            ok, sound, staleness = (x.item() for x in jax.device_get((ok, sound, staleness)))
+            if ok:
+                result = self._applied(worker, pulled_version, staleness, sound, self._host(sent), round_info, packed)
+        if not ok:  # NaN/Inf: the exchange left the state as it was
             future.set_exception(self._reject_nonfinite(worker, pulled_version, round_info))
             return
-        payload, ms = jax.device_put((payload, ms), self.device)
-        with self._lock:
-            self._nonfinite_streak = 0
-            self._state, staleness = self._exchange(self._state, self._id(worker), payload, ms)
-            self.applied += 1
-            self._use_minibatches(worker, round_info)
-            staleness = int(jax.device_get(staleness))
-            self.staleness_counts[staleness] += 1
-            self._write_trace(worker, pulled_version, staleness, round_info=round_info)  # what the server step saw
-            # Host copies: the next exchange updates the state's buffers in place (donation).
-            result = (*self._answer_for(worker), self.applied)
-            self._last_answer = result[:2]
-            if not _all_finite(result[0]):
-                self.diverged = True
-                kept = (
-                    "the last checkpoint holds the last finite weights"
-                    if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path)
-                    else "no checkpoint had been written yet"
-                )
-                self.fail(
-                    FloatingPointError(
-                        f"the weights turned NaN or Inf at update {self.applied}: the run diverged (lower the learning "
-                        f"rate); {kept}"
-                    )
-                )
-            elif self.num_updates is not None and self.applied >= self.num_updates:
-                self._closed.set()
-            due = self._writer is not None and self.checkpoint_every is not None and not self.diverged
-            if due and self.applied % self.checkpoint_every == 0:
-                self._writer.submit(*self._checkpoint())
-            if self.snapshot_every and self.applied % self.snapshot_every == 0:
-                # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
-                weights = _host_copy((self._state.params, self._state.model_state)) if self._sends else result[:2]
-                self._snapshots.append(Snapshot(self.applied, *weights))
         self._notify_version()
         future.set_result(result)
 
-    def _ignore(self, worker: int, pulled_version: int) -> tuple[Any, Any, int]:
+    def _applied(
+        self,
+        worker: int,
+        pulled_version: int,
+        staleness: int,
+        sound: bool,
+        answer: tuple,
+        round_info: tuple | None,
+        packed: bool,
+    ) -> tuple[Any, Any, int]:
+        """Under the lock: the bookkeeping of an applied push (counts, trace, divergence, budget, checkpoint,
+        snapshot); its reply."""
+        self._nonfinite_streak = 0
+        self.applied += 1
+        self._use_minibatches(worker, round_info)
+        self.staleness_counts[staleness] += 1
+        self._write_trace(worker, pulled_version, staleness, round_info=round_info)  # what the server step saw
+        self._last_answer = answer
+        if not sound:
+            self.diverged = True
+            kept = (
+                "the last checkpoint holds the last finite weights"
+                if self.checkpoint_path is not None and os.path.exists(self.checkpoint_path)
+                else "no checkpoint had been written yet"
+            )
+            self.fail(
+                FloatingPointError(
+                    f"the weights turned NaN or Inf at update {self.applied}: the run diverged (lower the learning "
+                    f"rate); {kept}"
+                )
+            )
+        elif self.num_updates is not None and self.applied >= self.num_updates:
+            self._closed.set()
+        due = self._writer is not None and self.checkpoint_every is not None and not self.diverged
+        if due and self.applied % self.checkpoint_every == 0:
+            self._writer.submit(*self._checkpoint())
+        if self.snapshot_every and self.applied % self.snapshot_every == 0:
+            # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
+            weights = self._host(self._weights(self._state)) if self._sends else answer
+            self._snapshots.append(Snapshot(self.applied, *self.unpack(weights)))
+        return (*self._reply(answer, packed), self.applied)
+
+    def _ignore(self, worker: int, pulled_version: int, packed: bool) -> tuple[Any, Any, int]:
         """Ringmaster: a push ``threshold`` or more updates stale changes no weight; its worker pulls the current ones
         (its backup) and goes on with its next minibatches."""
         with self._lock:
             self.ignored += 1
             self.positions[worker] += 1
             self._write_trace(worker, pulled_version, self.applied - pulled_version, ignored=True)
-            self._state = self._pull(self._state, self._id(worker))
-            return (*self._answer_for(worker), self.applied)
+        return self.pull(worker, packed=packed)
 
     def _use_minibatches(self, worker: int, round_info: tuple | None) -> None:
         """The data positions a push moves: its worker's, or every payload's of a gathered round (skips included)."""
@@ -818,20 +936,12 @@ def _host_copy(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
 
 
-def _all_finite(tree) -> bool:
-    """Whether every float of a host pytree is finite. NumPy on the payload as it arrives (0.2 ms for 1.1M floats):
-    checking inside the exchange under ``lax.cond`` made XLA copy the per-worker stacks on every push."""
-    for x in jax.tree.leaves(tree):
-        on_device = isinstance(x, jax.Array)  # checked where it is (then one explicit scalar copy back)
-        x = x if on_device else np.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.inexact) and not (
-            jax.device_get(_device_all_finite(x)) if on_device else np.isfinite(x).all()
-        ):
-            return False
-    return True
-
-
-_device_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+def _finite_packed(buffers: tuple) -> jax.Array:
+    """Whether every float of packed buffers is finite (inside a program: one read, fused with its neighbours)."""
+    # x * 0 is 0 for a finite x and NaN for NaN or Inf: the sum is finite exactly when every x is. One reduction,
+    # which XLA:CPU runs 2-4x faster than isfinite(x).all() (a materialised mask, then a chain of reductions).
+    sums = [jnp.sum(b * 0) for b in buffers if jnp.issubdtype(b.dtype, jnp.inexact)]
+    return jnp.isfinite(jnp.stack(sums).sum()) if sums else jnp.bool_(True)
 
 
 def for_run(
@@ -885,10 +995,11 @@ class Endpoint:
         self._losses: list[float] = []
 
     def sync(self, worker: int) -> Sync:
-        """``worker``'s backup (the weights it last pulled, host copies) and its data position."""
+        """``worker``'s backup (the weights it last pulled, packed host buffers) and its data position."""
         source = 0 if self.mode == "sync" else worker
         params, model_state, version = self.store.backup(source)
         params, model_state = jax.device_get((params, model_state))
+        params, model_state = self.store.layout.pack_host(params), self.store.pack_model_state(model_state)
         # A round method's workers read their own shards at their own pace; SSGD's all at the rounds'.
         position = self.store.positions[worker if self.store.gather is not None else source]
         return Sync(Weights(params, model_state, version), int(position))
@@ -897,9 +1008,8 @@ class Endpoint:
         """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts. In a
         round method every worker computes at the current weights, worker 0's backup (the rounds are its pushes)."""
         if self.mode == "sync":
-            return Weights(*self.store.round_weights())
-        params, model_state, version = self.store.pull(worker)
-        return Weights(params, model_state, version)
+            return Weights(*self.store.round_weights(packed=True))
+        return Weights(*self.store.pull(worker, packed=True))
 
     def wait_version(self, version: int, timeout: float) -> int:
         """The store's applied updates once it reaches ``version`` or after ``timeout`` seconds; -1 once it closed."""
@@ -907,14 +1017,16 @@ class Endpoint:
         return -1 if self.store.closed else applied
 
     def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
-        """Applies a push (or, in SSGD, the round it completes) and answers it."""
+        """Applies a push of packed buffers (or, in SSGD, the round it completes) and answers it with packed
+        weights."""
+        store, timeout = self.store, self.timeout
         try:
-            if self.store.gather is not None:
-                weights = self.store.push_gathered(worker, payload, version, model_state, timeout=self.timeout)
+            if store.gather is not None:
+                weights = store.push_gathered(worker, payload, version, model_state, timeout, packed=True)
             elif self.mode == "sync":
-                weights = self.store.push_round(worker, payload, version, model_state, timeout=self.timeout)
+                weights = store.push_round(worker, payload, version, model_state, timeout, packed=True)
             else:
-                weights = self.store.push(worker, payload, version, model_state).result(timeout=self.timeout)
+                weights = store.push(worker, payload, version, model_state, packed=True).result(timeout=timeout)
         except StaleRound as e:
             if self.store.gather is not None:  # a computation its round's end stopped: again, on the same minibatches
                 return Answer("restart", self.pull(worker), str(e))

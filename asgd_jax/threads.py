@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import optax
 
-from asgd_jax import driver, exchange, session, store, worker
+from asgd_jax import driver, exchange, packing, session, store, worker
 from asgd_jax import loss as loss_lib
 from asgd_jax.session import TrainConfig
 from asgd_jax.worker import Worker, WorkerSetup
@@ -52,6 +52,7 @@ def run(
     endpoint = store.Endpoint(the_store, config.plan.mode, timeout=config.timeout)
     status = the_store.status()
     metrics.open(config.out, status)
+    layouts = packing.layouts(params, model_state)
     workers = [
         Worker(
             WorkerSetup(
@@ -61,6 +62,7 @@ def run(
                 config.plan.local_lr,
                 config.seed,
                 model_state is not None,
+                layouts,
                 config.slowdown.get(w, 1.0),
                 config.stop_stale(),
             ),

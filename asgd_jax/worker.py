@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asgd_jax import errors, exchange, session
+from asgd_jax import errors, exchange, packing, session
 from asgd_jax import loss as loss_lib
 from asgd_jax.loader import ShardLoader
 
@@ -109,6 +109,8 @@ class WorkerSetup:
       local_lr: the local steps' learning rate (``None`` without local steps).
       seed: the run's seed (its key fixes the minibatch order and the model's randomness, the simulator's).
       stateful: the loss carries a model state, pushed with the payload.
+      layouts: the packed forms of the weights and of the model state (:class:`asgd_jax.packing.Layout`): what
+        crosses between the worker and the store.
       slowdown: a straggler computes this many times slower (1.0: not one).
       stop_stale: a computation that has become this many updates stale before it is done (its straggling included)
         is stopped and restarted at the current weights on the same minibatches: Ringmaster's R with stops, 1 for
@@ -121,6 +123,7 @@ class WorkerSetup:
     local_lr: float | None
     seed: int
     stateful: bool
+    layouts: tuple[packing.Layout, packing.Layout]
     slowdown: float = 1.0
     stop_stale: int | None = None
 
@@ -187,7 +190,7 @@ class Worker:
     def __init__(self, setup: WorkerSetup, link: StoreLink, loss: loss_lib.Loss, data: Any, devices: list):
         self.setup, self.link, self.data = setup, link, data
         ex = setup.exchange
-        self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr)
+        self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr, setup.layouts)
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
 
     def _start(self) -> tuple[Weights, ShardLoader]:

@@ -1,0 +1,126 @@
+"""One push through the parameter store beside its own exchange and the memory it must touch. Ratios, side by side.
+
+The store is driven with precomputed packed payloads (no gradient is computed), on the host CPU device (the default
+store device), M = 4 workers, at four sizes: the `cnn` (13,706 parameters, 8 leaves), ResNet-20 (269,722, 59 leaves),
+and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one global MeanSquare, the paper's).
+
+- store: ``ParameterStore.push(..., packed=True).result()`` from one thread, end to end (the payload's transfer to the
+  store's device, the queue, the exchange, the trace line, the answer back), median.
+- exchange: the store's own compiled exchange (``lower_exchange(...).compile()``), looped on its state, median.
+- floor: the passes over parameter memory that the step needs, timed as NumPy copies of that many bytes (a copy is
+  two passes: a read and a write). ASGD: read g (its finite check), read w, write w, write the worker's backup row,
+  write the answer: 5 passes. DC-ASGD-a adds reading the backup and MeanSquare and writing MeanSquare: 8.
+- 4 threads: pushes/s with four threads pushing at once, against 1 / (exchange time).
+
+    .venv/bin/python experiments/benchmarks/store_push.py            # ~2 minutes on 2 cores
+    .venv/bin/python experiments/benchmarks/store_push.py --quick    # fewer pushes, no 11M model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+
+import jax
+import numpy as np
+
+import asgd_jax
+from asgd_jax.store import ParameterStore
+
+WORKERS = 4
+RULES = os.environ.get("RULES", "asgd dc_asgd_a").split()
+PASSES = {"asgd": 5, "dc_asgd_a": 8}
+
+
+def models(quick: bool) -> dict[str, object]:
+    cnn = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
+    resnet = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(32, 32, 3))
+    out = {
+        "cnn": cnn.init(jax.random.key(0))[0],
+        "resnet20": resnet.init(jax.random.key(0))[0],
+        "1.1M": {"w": np.zeros(1_124_352, np.float32)},
+    }
+    if not quick:
+        out["11M"] = {"w": np.zeros(11_173_962, np.float32)}
+    return out
+
+
+def median_us(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def floor_us(size: int, passes: int, n: int) -> float:
+    a, b = np.ones(size, np.float32), np.empty(size, np.float32)
+    return median_us(lambda: np.copyto(b, a), n) * passes / 2
+
+
+def measure(params, rule_name: str, n: int) -> dict[str, float]:
+    rule = asgd_jax.rules.get(rule_name, 1e-3)
+    with tempfile.TemporaryDirectory() as out:
+        store = ParameterStore(rule, params, WORKERS, out_dir=out)
+        store.warm_up()
+        payload = tuple(np.full(k, 1e-3, d) for k, d in zip(store.layout.sizes, store.layout.dtypes, strict=True))
+        version = [0]
+
+        def push(worker: int = 0) -> None:
+            _, _, version[0] = store.push(worker, payload, version[0], packed=True).result()
+
+        push()
+        one = median_us(push, n)
+        compiled = store.lower_exchange(0, payload).compile()
+        state = [jax.device_put(store.state(), store.device)]
+        g = jax.device_put(payload, store.device)
+        worker = jax.device_put(np.int32(0), store.device)
+
+        def exchange() -> None:
+            out = compiled(state[0], worker, g, ())
+            state[0] = out[0]
+            jax.block_until_ready(out)
+
+        exchange()
+        alone = median_us(exchange, n)
+        threads = [threading.Thread(target=lambda w=w: [push(w) for _ in range(n)]) for w in range(WORKERS)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rate = WORKERS * n / (time.perf_counter() - t0)
+        store.close()
+    size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    return {"store": one, "exchange": alone, "floor": floor_us(size, PASSES[rule_name], n), "rate": rate}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer pushes, no 11M model")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, store on {jax.devices('cpu')[0]}, M = {WORKERS}; times are medians in µs")
+    print(
+        "| params (leaves) | rule | store | exchange | floor | store ÷ exchange | exchange ÷ floor | 4 threads ÷ 1/exchange |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, params in models(args.quick).items():
+        size, leaves = sum(int(np.size(x)) for x in jax.tree.leaves(params)), len(jax.tree.leaves(params))
+        n = 20 if size > 5e6 else (50 if args.quick else 200)
+        for rule_name in RULES:
+            r = measure(params, rule_name, n)
+            print(
+                f"| {size:,} ({leaves}, {name}) | {rule_name} | {r['store']:,.0f} | {r['exchange']:,.0f} | "
+                f"{r['floor']:,.0f} | {r['store'] / r['exchange']:.2f} | {r['exchange'] / r['floor']:.2f} | "
+                f"{r['rate'] * r['exchange'] / 1e6:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
