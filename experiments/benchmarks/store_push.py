@@ -104,9 +104,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer pushes, no 11M model")
     args = parser.parse_args()
-    print(f"jax {jax.__version__}, store on {jax.devices('cpu')[0]}, M = {WORKERS}; times are medians in µs")
+    print(f"jax {jax.__version__}, store on {jax.devices('cpu')[0]}, M = {WORKERS}; times are medians in us")
     print(
-        "| params (leaves) | rule | store | exchange | floor | store ÷ exchange | exchange ÷ floor | 4 threads ÷ 1/exchange |"
+        "| params (leaves) | rule | store | exchange | floor | store ÷ exchange | exchange ÷ floor "
+        "| 4 threads ÷ 1/exchange |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, params in models(args.quick).items():
