@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -141,49 +142,106 @@ def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, l
         (loss, (model_state, aux)), g = grad_fn(params0, model_state0, jax.tree.map(lambda b: b[0], batches), key)
         payload = jax.tree.map(lambda x: local_lr * x, g) if ex.push == "delta" else g
         return payload, model_state, loss, aux
+    body = functools.partial(_local_step, grad_fn, ex, params0, key, local_lr)
+    carry, (losses, auxes) = jax.lax.scan(body, _first_carry(params0, model_state0), (batches, jnp.arange(ex.n_sync)))
+    return _period_end(ex, params0, carry, losses, auxes)
 
+
+def _first_carry(params0, model_state0):
+    return params0, model_state0, jax.tree.map(jnp.zeros_like, params0)
+
+
+def _local_step(grad_fn: Callable, ex: Exchange, params0, key, local_lr, carry, inputs):
+    """The i-th minibatch of an exchange period: its gradient, summed, and a local SGD step (unless ``accumulate``,
+    whose gradients are all taken at the pulled weights)."""
+    params, model_state, acc = carry
+    batch, i = inputs
     local_steps = ex.push != "accumulate"
+    at = params if local_steps else params0
+    (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
+    acc = jax.tree.map(jnp.add, acc, g)
+    if local_steps:
+        params = jax.tree.map(lambda p, x: p - local_lr * x, params, g)
+    return (params, model_state, acc), (loss, aux)
 
-    def body(carry, inputs):
-        params, model_state, acc = carry
-        batch, i = inputs
-        at = params if local_steps else params0
-        (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
-        acc = jax.tree.map(jnp.add, acc, g)
-        if local_steps:
-            params = jax.tree.map(lambda p, x: p - local_lr * x, params, g)
-        return (params, model_state, acc), (loss, aux)
 
-    zeros = jax.tree.map(jnp.zeros_like, params0)
-    (params, model_state, acc), (losses, auxes) = jax.lax.scan(
-        body, (params0, model_state0, zeros), (batches, jnp.arange(ex.n_sync))
-    )
+def _period_end(ex: Exchange, params0, carry, losses, auxes):
+    params, model_state, acc = carry
     # "delta" pushes the descent direction w_pulled - w_local, which the server's rule treats like a gradient.
     payload = jax.tree.map(jnp.subtract, params0, params) if ex.push == "delta" else acc
     return payload, model_state, losses.mean(), jax.tree.map(jnp.mean, auxes)
 
 
 def worker_function(
-    loss: Loss, ex: Exchange, num_workers: int, local_lr: float | None, layouts: tuple[Any, Any]
+    loss: Loss,
+    ex: Exchange,
+    num_workers: int,
+    local_lr: float | None,
+    layouts: tuple[Any, Any],
+    *,
+    loop: str = "scan",
 ) -> Callable:
     """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
     (payload, model_state, loss, aux)``: :func:`work` with the simulator's keys, so a recorded run replays.
 
     The weights come in and the payload and model state go out packed (``layouts``: the weights' and the model
-    state's :class:`asgd_jax.packing.Layout`): one buffer per dtype to move, unpacked and packed inside the program."""
+    state's :class:`asgd_jax.packing.Layout`): one buffer per dtype to move, unpacked and packed inside the program.
+
+    ``loop``: how ``n_sync > 1`` local steps are compiled. ``"scan"``: one program (a GPU or TPU runs the period
+    without asking the host); ``"steps"``: one program per minibatch, called ``n_sync`` times from Python, for XLA:CPU,
+    which runs the convolutions of a ``lax.scan`` body several times slower than the same step compiled alone. The
+    same arithmetic either way (the replay tests hold for both)."""
     layout, state_layout = layouts
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     local_lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
 
-    def run(p, ms, b, k, v, w):  # the update's model key is made on the device from explicit inputs
+    def model_key(k, v, w):  # the update's model key is made on the device from explicit inputs
         # SSGD splits the update's key over the workers; an asynchronous worker folds in the version it pulled, then
         # its id (see asgd_jax.simulator).
         k = jax.random.fold_in(k, v)
-        k = jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
-        payload, ms, value, aux = work(grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, k, local_lr)
+        return jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
+
+    def run(p, ms, b, k, v, w):
+        payload, ms, value, aux = work(
+            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), local_lr
+        )
         return layout.pack(payload), state_layout.pack(ms), value, aux
 
-    return jax.jit(run)
+    if loop == "scan" or ex.n_sync == 1:
+        return jax.jit(run)
+
+    @jax.jit
+    def start(p, ms, k, v, w):
+        params0 = layout.unpack(p)
+        return params0, _first_carry(params0, state_layout.unpack(ms)), model_key(k, v, w)
+
+    def one_step(params0, key, carry, batches, i):
+        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
+        return _local_step(grad_fn, ex, params0, key, local_lr, carry, (batch, i))
+
+    step = jax.jit(one_step)
+
+    @jax.jit
+    def end(params0, carry, losses, auxes):
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+        payload, ms, value, aux = _period_end(ex, params0, carry, jnp.stack(losses), stacked)
+        return layout.pack(payload), state_layout.pack(ms), value, aux
+
+    indices: dict[Any, list[jax.Array]] = {}  # the minibatch numbers, placed once per device group
+
+    def run_steps(p, ms, b, k, v, w):
+        params0, carry, key = start(p, ms, k, v, w)
+        sharding = v.sharding
+        if sharding not in indices:
+            indices[sharding] = [jax.device_put(np.int32(i), sharding) for i in range(ex.n_sync)]
+        losses, auxes = [], []
+        for i in indices[sharding]:
+            carry, (value, aux) = step(params0, key, carry, b, i)
+            losses.append(value)
+            auxes.append(aux)
+        return end(params0, carry, losses, auxes)
+
+    return run_steps
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -623,6 +623,11 @@ def _ended(outcome: Outcome) -> str:
     return "finished"
 
 
+def _store_times(status: Any, seconds: float) -> dict[str, float]:
+    times = status.times._asdict()
+    return {**times, "busy": (times["exchange"] + times["bookkeeping"]) / max(seconds, 1e-9)}
+
+
 def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
     """``summary.json``: the run's outcome in one file (counts, the last evaluation, how it ended)."""
     session_updates = result.pushes_applied - result.resumed_from
@@ -647,6 +652,8 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
             for w in result.workers
         ],
         "staleness_counts": result.staleness_counts,
+        # Where the store's time went, in seconds (see asgd_jax.store.StoreTimes); "busy": its share of the run.
+        "store": _store_times(outcome.status, result.seconds),
     }
     try:
         with open(os.path.join(out_dir, SUMMARY), "w") as f:

@@ -54,6 +54,7 @@ __all__ = [
     "StaleRound",
     "StoreClosed",
     "StoreStatus",
+    "StoreTimes",
     "check_resume",
     "for_run",
     "trace_pin",
@@ -63,6 +64,25 @@ __all__ = [
 log = logging.getLogger("asgd_jax.store")
 
 CHECKPOINT = session.CHECKPOINT
+
+
+class StoreTimes(NamedTuple):
+    """Where the store's time went this session, in seconds (``summary.json``'s ``"store"``).
+
+    Attributes:
+      pushes: pushes its applier handled (applied, rejected as NaN/Inf, ignored as too stale, late).
+      exchange: its exchange programs, from dispatch to the answer on the host (the device's share).
+      bookkeeping: the rest of a push on the applier: counts, the trace line, a checkpoint handed to its writer,
+        snapshots, the answer handed back.
+      idle: the applier waiting for a push (the workers, not the store, set the pace).
+      transfer_in: the pushing threads moving payloads to the store's device (overlapping the applier's work).
+    """
+
+    pushes: int = 0
+    exchange: float = 0.0
+    bookkeeping: float = 0.0
+    idle: float = 0.0
+    transfer_in: float = 0.0
 
 
 class StoreStatus(NamedTuple):
@@ -82,6 +102,7 @@ class StoreStatus(NamedTuple):
     positions: tuple[int, ...]
     staleness_counts: dict[int, int]
     ignored: int = 0
+    times: StoreTimes = StoreTimes()
 
 
 class Snapshot(NamedTuple):
@@ -208,6 +229,7 @@ class ParameterStore:
         self.late = 0  # of the rejected: pushes that arrived after the store closed (the budget was reached)
         self.positions = np.zeros(num_workers, np.int64)  # per worker: pushes applied or rejected as non-finite
         self.staleness_counts: collections.Counter[int] = collections.Counter()
+        self._times = StoreTimes()
         self.header = {"num_workers": num_workers, **(header or {})}
         self.checkpoint_path = None if checkpoint_dir is None else os.path.join(os.fspath(checkpoint_dir), CHECKPOINT)
         self.checkpoint_every, self.resumed_from = checkpoint_every, 0
@@ -299,13 +321,18 @@ class ParameterStore:
             model_state
         ) if self._stateful else None
 
-    def _packed_payload(self, worker: int, payload: Any, model_state: Any) -> tuple[tuple, tuple]:
+    def _packed_payload(
+        self, worker: int, payload: Any, model_state: Any, packed: bool | None = None
+    ) -> tuple[tuple, tuple]:
         """A push's payload and model state as packed host buffers: given packed (a worker's), or packed here from
-        the model's pytrees (checked first: a misfit is a :class:`BadPush` naming the leaf)."""
-        if self.layout.misfit(payload) is not None:
-            problem = self._misfit(payload)
-            if problem:
-                raise BadPush(f"push from worker {worker} rejected: {problem}")
+        the model's pytrees (``packed=None``: whichever it is). A misfit is a :class:`BadPush` naming the leaf or
+        buffer."""
+        if packed is None:
+            packed = self.layout.misfit(payload) is None
+        problem = self.layout.misfit(payload) if packed else self._misfit(payload)
+        if problem:
+            raise BadPush(f"push from worker {worker} rejected: {problem}")
+        if not packed:
             payload = self.layout.pack_host(payload)
         if not self._stateful:
             return payload, ()
@@ -360,12 +387,14 @@ class ParameterStore:
                 self.late += 1
                 raise StoreClosed(self._closed_reason())
         try:
-            g, ms = self._packed_payload(worker, payload, model_state)
+            g, ms = self._packed_payload(worker, payload, model_state, packed)
         except BadPush:
             with self._lock:
                 self.rejected += 1
             raise
+        t0 = time.perf_counter()
         g, ms = jax.device_put((g, ms), self.device)  # explicit; overlaps the apply of the pushes ahead of it
+        self._time(transfer_in=time.perf_counter() - t0)
         future: Future = Future()
         self._queue.put((worker, g, ms, pulled_version, round_info, packed, future))
         return future
@@ -418,7 +447,7 @@ class ParameterStore:
                 raise StoreClosed(self._round_abort)
             if pulled_version != self.applied:
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {self.applied}")
-            self._round[worker] = self._packed_payload(worker, payload, model_state)
+            self._round[worker] = self._packed_payload(worker, payload, model_state, packed)
             number = self._round_no
             if len(self._round) < self.num_workers:
                 return self._await_round(
@@ -466,7 +495,7 @@ class ParameterStore:
                 if g.kind == "rennala" and not g.stops:
                     return self._ignore_gathered(worker, pulled_version, packed)
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {self.applied}")
-            payload, model_state = self._packed_payload(worker, payload, model_state)
+            payload, model_state = self._packed_payload(worker, payload, model_state, packed)
             self._gathered.append((worker, payload, model_state, self._gather_skips.pop(worker, 0)))
             number = self._round_no
             if len(self._gathered) < g.size:
@@ -633,6 +662,7 @@ class ParameterStore:
                 positions=tuple(int(d) for d in self.positions),
                 staleness_counts=dict(self.staleness_counts),
                 ignored=self.ignored,
+                times=self._times,
             )
 
     def take_snapshots(self) -> list[Snapshot]:
@@ -729,11 +759,23 @@ class ParameterStore:
             return f"the store stopped: {self.error}"
         return f"the store is closed after {self.applied} updates"
 
+    def _time(self, **seconds: float) -> None:
+        """Adds to the store's times (:class:`StoreTimes`)."""
+        with self._error_lock:
+            t = self._times
+            self._times = t._replace(**{k: getattr(t, k) + v for k, v in seconds.items()})
+
     def _apply_loop(self) -> None:
         item = None
         try:
-            while (item := self._queue.get()) is not None:
-                self._apply(*item)
+            while True:
+                t0 = time.perf_counter()
+                if (item := self._queue.get()) is None:
+                    break
+                t1 = time.perf_counter()
+                exchange_seconds = self._apply(*item)
+                self._time(idle=t1 - t0, exchange=exchange_seconds, pushes=1)
+                self._time(bookkeeping=time.perf_counter() - t1 - exchange_seconds)
         except BaseException as e:  # a dead applier stops the run at once, with its error
             self.fail(RuntimeError(f"the store's applier failed: {type(e).__name__}: {e}"))
             if item is not None and not item[-1].done():  # the push it died on is answered too
@@ -761,31 +803,36 @@ class ParameterStore:
         round_info: tuple | None,
         packed: bool,
         future: Future,
-    ) -> None:
-        """One push: rejected (late, non-finite) or applied with the server step, traced, and answered.
-        ``round_info``: a gathered round's mean (pushed as worker 0): its workers and their skips."""
+    ) -> float:
+        """One push: rejected (late, non-finite) or applied with the server step, traced, and answered; the seconds
+        its exchange program took (to its answer on the host). ``round_info``: a gathered round's mean (pushed as
+        worker 0): its workers and their skips."""
         budget_reached = self.num_updates is not None and self.applied >= self.num_updates
         if self._closed.is_set() and (budget_reached or self.error is not None):
             with self._lock:
                 self.rejected += 1
                 self.late += 1
             future.set_exception(StoreClosed(self._closed_reason()))
-            return
+            return 0.0
         if self.threshold is not None and self.applied - pulled_version >= self.threshold:
             future.set_result(self._ignore(worker, pulled_version, packed))
-            return
+            return 0.0
         with self._lock:
+            t0 = time.perf_counter()
             self._state, staleness, ok, sound, sent = self._exchange(
                 self._state, self._id(worker), payload, model_state
             )
             ok, sound, staleness = (x.item() for x in jax.device_get((ok, sound, staleness)))
+            answer = self._host(sent)
+            seconds = time.perf_counter() - t0
             if ok:
-                result = self._applied(worker, pulled_version, staleness, sound, self._host(sent), round_info, packed)
+                result = self._applied(worker, pulled_version, staleness, sound, answer, round_info, packed)
         if not ok:  # NaN/Inf: the exchange left the state as it was
             future.set_exception(self._reject_nonfinite(worker, pulled_version, round_info))
-            return
+            return seconds
         self._notify_version()
         future.set_result(result)
+        return seconds
 
     def _applied(
         self,

@@ -190,7 +190,10 @@ class Worker:
     def __init__(self, setup: WorkerSetup, link: StoreLink, loss: loss_lib.Loss, data: Any, devices: list):
         self.setup, self.link, self.data = setup, link, data
         ex = setup.exchange
-        self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr, setup.layouts)
+        # XLA:CPU runs a lax.scan's convolutions several times slower than a step compiled alone: there, the local
+        # steps are programs of their own; an accelerator runs the whole period as one.
+        loop = "steps" if devices[0].platform == "cpu" else "scan"
+        self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop)
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
 
     def _start(self) -> tuple[Weights, ShardLoader]:

@@ -106,19 +106,21 @@ def store_push(params, state, pushes: int) -> tuple[float, float]:
         store = ParameterStore(rule, params, 4, model_state=state, out_dir=out)
         store.warm_up()
         grads = jax.tree.map(lambda x: np.full(x.shape, 1e-3, np.float32), params)
+        payload, model_state = store.layout.pack_host(grads), store.pack_model_state(state)  # what a worker sends
         whole = []
         for i in range(pushes):
             t0 = time.perf_counter()
-            store.push(i % 4, grads, i, state).result()
+            store.push(i % 4, payload, i, model_state, packed=True).result()
             whole.append(time.perf_counter() - t0)
-        lowered = store.lower_exchange(0, grads, state).compile()
-        host = jax.device_get((store.state(), np.int32(0), grads, state))  # the state is donated: new buffers each time
+        compiled = store.lower_exchange(0, payload, model_state).compile()
+        args = jax.device_put((np.int32(0), payload, model_state), store.device)
+        live = jax.device_put(store.state(), store.device)  # looped on its own output, as the store does
         alone = []
         for _ in range(pushes):
-            fresh = jax.device_put(host, store.device)
-            jax.block_until_ready(fresh)
             t0 = time.perf_counter()
-            jax.block_until_ready(lowered(*fresh))
+            out = compiled(live, *args)
+            jax.block_until_ready(out)
+            live = out[0]
             alone.append(time.perf_counter() - t0)
         store.close()
     return 1e3 * statistics.median(whole), 1e3 * statistics.median(alone)
