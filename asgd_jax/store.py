@@ -307,6 +307,13 @@ class ParameterStore:
         self._answer_program = jax.jit(answer)
         self._sends = server.has_pull(rule)
         self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
+        self._packed_backup = jax.jit(
+            lambda s, i: (
+                layout.pack(server.snapshot(s, i)[0]),
+                ms_layout.pack(server.snapshot(s, i)[1] if stateful else {}),
+                server.snapshot_version(s, i),
+            )
+        )
         self._weights = jax.jit(lambda s: (layout.pack(s.params), ms_layout.pack(s.model_state if stateful else {})))
 
     def _host(self, packed: tuple) -> tuple:
@@ -556,11 +563,16 @@ class ParameterStore:
     def round_weights(self, *, packed: bool = False) -> tuple[Any, Any, int]:
         """Where every worker of a round computes: worker 0's backup (every round is its push), as host copies
         (``packed``: packed buffers), and its version."""
-        params, model_state, version = self.backup(0)
-        params, model_state = _host_copy((params, model_state))
-        if packed:
-            return self.layout.pack_host(params), self.pack_model_state(model_state), version
-        return params, model_state, version
+        params, model_state, version = self.packed_backup(0)
+        return (*self._reply((params, model_state), packed), version)
+
+    def packed_backup(self, worker: int) -> tuple[tuple, tuple, int]:
+        """``worker``'s backup as packed host buffers (one program, one transfer per buffer) and its version."""
+        self._check_worker(worker)
+        with self._lock:
+            params, model_state, version = self._packed_backup(self._state, self._id(worker))
+        params, model_state = self._host((params, model_state))
+        return params, model_state, int(jax.device_get(version))
 
     def pack_model_state(self, model_state: Any) -> tuple:
         """A model state as packed host buffers (``()`` for a model without one)."""
@@ -1044,9 +1056,7 @@ class Endpoint:
     def sync(self, worker: int) -> Sync:
         """``worker``'s backup (the weights it last pulled, packed host buffers) and its data position."""
         source = 0 if self.mode == "sync" else worker
-        params, model_state, version = self.store.backup(source)
-        params, model_state = jax.device_get((params, model_state))
-        params, model_state = self.store.layout.pack_host(params), self.store.pack_model_state(model_state)
+        params, model_state, version = self.store.packed_backup(source)
         # A round method's workers read their own shards at their own pace; SSGD's all at the rounds'.
         position = self.store.positions[worker if self.store.gather is not None else source]
         return Sync(Weights(params, model_state, version), int(position))
