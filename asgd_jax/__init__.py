@@ -32,11 +32,8 @@ if TYPE_CHECKING:  # the names, for type checkers and readers; at run time they 
         trainer,
     )
     from asgd_jax import exchange as exchange
-    from asgd_jax import loader as loader
     from asgd_jax import order as order
     from asgd_jax import server as server
-    from asgd_jax import session as session
-    from asgd_jax import store as store
     from asgd_jax.comparison import Comparison, compare
     from asgd_jax.errors import ConfigError
     from asgd_jax.loss import Loss
@@ -103,13 +100,13 @@ def __dir__() -> list[str]:
 
 def _modules() -> set[str]:
     """The modules importable as attributes: the public ones of ``__all__`` and the engines' own."""
-    return {n for n in __all__ if n not in _NAMES} | {"exchange", "loader", "order", "server", "session", "store"}
+    return {n for n in __all__ if n not in _NAMES} | {"exchange", "order", "packing", "ray_cluster", "server"}
 
 
 __version__ = "0.1.0"
 
 # What users call: the rules, the simulator, the trainer, data and models, the studies' building blocks. The engines'
-# own modules (store, server, exchange, session, worker, driver, ...) stay importable by name.
+# own modules (server, exchange, the trainer's wing asgd_jax.trainer.*, ...) stay importable by name.
 __all__ = [
     "Comparison",
     "ConfigError",

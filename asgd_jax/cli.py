@@ -219,7 +219,7 @@ def _add_method_flags(a) -> None:
 def _add_train(sub) -> None:
     from asgd_jax import rules, setups
     from asgd_jax.plan import MODES, PUSHES
-    from asgd_jax.session import BACKENDS, FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
+    from asgd_jax.trainer.config import BACKENDS, FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
     d, ds = TrainConfig(), setups.Setup()
     dp = d.plan
@@ -289,6 +289,7 @@ def _add_train(sub) -> None:
     a("--timeout", type=float, default=d.timeout, help="seconds before the run is stopped")
     a("--backend", default=d.backend, choices=BACKENDS, help="ray: actors on a Ray cluster")
     a("--ray-address", default=d.ray_address, help="Ray cluster to join ('auto': the local `ray start`)")
+    a("--store-device", default=d.store_device, help="where the store's state lives: cpu or PLATFORM[:INDEX] [cpu]")
     a("--max-restarts", type=int, default=d.max_restarts, help="Ray: restarts of a dead worker actor")
     a(
         "--tensorboard",
@@ -421,7 +422,7 @@ PLAN_FLAGS = ("num_updates", "batch_size", "mode", "n_sync", "push", "local_lr",
 def _train_config(args: argparse.Namespace):
     from asgd_jax import delays
     from asgd_jax.plan import Plan
-    from asgd_jax.session import TrainConfig
+    from asgd_jax.trainer.config import TrainConfig
 
     methods = {"--ringmaster": args.ringmaster, "--rennala": args.rennala, "--msync": args.msync}
     given = [flag for flag, value in methods.items() if value is not None]
@@ -515,7 +516,8 @@ def _train(args: argparse.Namespace) -> int:
     print(f"asgd-jax train: loading {args.dataset} and building {args.model}...", flush=True)
     import jax
 
-    from asgd_jax import checkpoint, data, session, trainer
+    from asgd_jax import checkpoint, data, trainer
+    from asgd_jax.trainer import session
 
     ds = data.load(setup.dataset, data_dir=setup.data_dir)
     model = setup.build_model(ds.num_classes, ds.input_shape)

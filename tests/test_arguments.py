@@ -9,6 +9,7 @@ each property also holds the count of the engines' programs XLA compiled during 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,9 @@ TRAIN_BAD = {
     "backend": st.one_of(not_a_number, bad_name),
     "ray_address": st.one_of(st.integers(), st.booleans(), st.lists(st.text(), max_size=1)),
     "max_restarts": st.one_of(not_a_number.filter(lambda v: v is not None), negative, fraction),
+    "store_device": st.one_of(
+        st.integers(), st.none(), st.text(max_size=6).filter(lambda s: re.fullmatch(r"[a-z]+(:\d+)?", s) is None)
+    ),
 }
 
 

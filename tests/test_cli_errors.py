@@ -179,14 +179,14 @@ def _swallowed_ctrl_c() -> None:
 
 
 def test_a_ctrl_c_swallowed_while_compiling_still_stops_the_run(tmp_path, monkeypatch, sigint_raises):
-    original = asgd_jax.worker.Worker.warm_up
+    original = asgd_jax.trainer.worker.Worker.warm_up
 
     def warm_up(self):
         original(self)
         if self.setup.worker == 0:
             _swallowed_ctrl_c()
 
-    monkeypatch.setattr(asgd_jax.worker.Worker, "warm_up", warm_up)
+    monkeypatch.setattr(asgd_jax.trainer.worker.Worker, "warm_up", warm_up)
     config = TrainConfig(asgd_jax.Plan(2, num_updates=10**6, batch_size=8), out=str(tmp_path), timeout=300.0)
     with pytest.raises(KeyboardInterrupt):
         train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config.replace(progress=False), devices=jax.devices()[:2])
@@ -255,7 +255,7 @@ def test_the_command_line_starts_without_jax_so_its_ctrl_c_handler_comes_first()
     check = "import sys, asgd_jax.cli; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
-    for name in [*asgd_jax.__all__, "studies", "worker", "store"]:
+    for name in [*asgd_jax.__all__, "studies", "exchange", "ray_cluster"]:
         assert getattr(asgd_jax, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = asgd_jax.nope

@@ -15,67 +15,149 @@ from asgd_jax.trainer import TrainConfig
 PACKAGE = pathlib.Path(asgd_jax.__file__).parent
 
 
-def _imports(module: str) -> set[str]:
-    """The asgd_jax modules ``module`` imports, at any depth of its code."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("asgd_jax"):
-            found |= {node.module.split(".")[1]} if "." in node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("asgd_jax.")}
-    return found
+WING = PACKAGE / "trainer"
+
+
+def _source(module: str) -> str:
+    """A module's source by its dotted name under the package (``"trainer.store"``)."""
+    return (PACKAGE / f"{module.replace('.', '/')}.py").read_text()
+
+
+def _imported(node: ast.AST) -> set[str]:
+    """The package's modules an import statement names, dotted under the package (``"trainer.session"``)."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("asgd_jax"):
+        base = node.module.removeprefix("asgd_jax").removeprefix(".")
+        names = set()
+        for a in node.names:
+            dotted = f"{base}.{a.name}" if base else a.name
+            names.add(dotted if (PACKAGE / f"{dotted.replace('.', '/')}.py").exists() else base)
+        return names
+    if isinstance(node, ast.Import):
+        return {a.name.removeprefix("asgd_jax.") for a in node.names if a.name.startswith("asgd_jax.")}
+    return set()
+
+
+def _imports(module: str, top_level_only: bool = False) -> set[str]:
+    """The package's modules ``module`` imports: at any depth of its code, or (``top_level_only``) when it is
+    imported (neither inside a function nor under ``TYPE_CHECKING``)."""
+    tree = ast.parse(_source(module))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    return set().union(*(_imported(n) for n in nodes)) - {""}
 
 
 def test_the_backends_share_the_session_and_never_import_each_other():
-    for backend, other in (("threads", "ray_backend"), ("ray_backend", "threads")):
+    for backend, other in (("trainer.threads", "trainer.ray_backend"), ("trainer.ray_backend", "trainer.threads")):
         imports = _imports(backend)
-        assert "session" in imports and other not in imports and "trainer" not in imports, (backend, imports)
-        assert {"worker", "driver", "store"} <= imports, (backend, imports)  # the one loop, the one driver
-    assert not ({"threads", "ray_backend", "trainer", "simulator"} & _imports("session"))
-    assert "simulator" not in _imports("loader")  # the data order needs the order module, not the simulator
+        assert "trainer.session" in imports and other not in imports, (backend, imports)
+        assert "trainer.training" not in imports and "trainer" not in imports, (backend, imports)
+        # the one loop, the one driver, the one endpoint
+        assert {"trainer.worker", "trainer.driver", "trainer.endpoint"} <= imports, (backend, imports)
+    assert not (
+        {"trainer.threads", "trainer.ray_backend", "trainer.training", "simulator"} & _imports("trainer.session")
+    )
+    assert "simulator" not in _imports("trainer.loader")  # the data order needs the order module, not the simulator
+    assert "ray_cluster" in _imports("studies.runner") and not any(
+        m.startswith("trainer") for m in _imports("studies.runner")
+    )
+
+
+def test_the_trainer_wing_imports_in_one_direction():
+    """The wing's modules, as imported, form no circle (the store's parts name it only for type checkers)."""
+    modules = [f"trainer.{p.stem}" for p in WING.glob("*.py") if p.stem != "__init__"]
+    graph = {m: {i for i in _imports(m, top_level_only=True) if i in modules} for m in modules}
+    done: set[str] = set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, " -> ".join((*path, m))
+        if m not in done:
+            for n in graph[m]:
+                visit(n, (*path, m))
+            done.add(m)
+
+    for m in modules:
+        visit(m, ())
+
+
+def _names(module: str) -> set[str]:
+    """The names a module's code reads (not its docstrings or comments)."""
+    tree = ast.parse(_source(module))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+
+
+def test_what_a_method_means_for_the_trainer_is_decided_in_one_place():
+    """The optimal-time methods' delay models are read by the trainer in its discipline only (one value derived from
+    the plan): a new method is a case there, not an isinstance check in every module of the wing."""
+    methods = {"Ringmaster", "Rennala", "MSync"}
+    for path in WING.glob("*.py"):
+        if path.stem not in ("discipline", "__init__"):
+            assert not (methods & _names(f"trainer.{path.stem}")), path.stem
+    assert methods <= _names("trainer.discipline")
 
 
 def _defs(module: str) -> dict[str, ast.AST]:
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    tree = ast.parse(_source(module))
     return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
 
 
 def test_each_loop_is_written_once():
-    """The worker loop is :class:`asgd_jax.worker.Worker`'s and the monitor loop :func:`asgd_jax.driver.drive`'s: a
-    backend only starts a store and workers on its substrate (no loop that pushes, nor one that polls and logs)."""
-    for backend in ("threads", "ray_backend"):
-        source = (PACKAGE / f"{backend}.py").read_text()
+    """The worker loop is :class:`asgd_jax.trainer.worker.Worker`'s and the monitor loop
+    :func:`asgd_jax.trainer.driver.drive`'s: a backend only starts a store and workers on its substrate (no loop that
+    pushes, nor one that polls and logs)."""
+    for backend in ("trainer.threads", "trainer.ray_backend"):
+        source = _source(backend)
         tree = ast.parse(source)
         for loop in (n for n in ast.walk(tree) if isinstance(n, ast.While | ast.For)):
             body = ast.unparse(loop)
             assert ".push(" not in body and ".record(" not in body and ".write(" not in body, (backend, body[:200])
         for call in ("stack_batches", "worker_function", "MetricsLog.record", "metrics.write", "tqdm"):
             assert call not in source, (backend, call)
-    assert "def run" in (PACKAGE / "worker.py").read_text() and "def drive" in (PACKAGE / "driver.py").read_text()
+    assert "def run" in _source("trainer.worker") and "def drive" in _source("trainer.driver")
+
+
+TYPED = {"status", "progress", "snapshot", "stats", "answer", "finished", "weights", "sync"}
 
 
 def test_what_modules_tell_each_other_is_typed_not_string_keyed():
-    """A store's status, a worker's configuration and its stats are typed values: a typo is an AttributeError at once,
-    not a KeyError at the end of a long run."""
-    from asgd_jax import store, worker
+    """A store's status, an answer, a worker's configuration and its stats are typed values, never ``Any`` in the
+    wing: a typo is an AttributeError at once, not a KeyError at the end of a long run."""
+    from asgd_jax.trainer import messages, worker
 
-    assert store.StoreStatus._fields[:3] == ("applied", "rejected", "late")
-    assert dataclasses.is_dataclass(worker.WorkerSetup) and dataclasses.is_dataclass(asgd_jax.session.WorkerStats)
-    for module in ("threads", "ray_backend", "driver", "session"):  # (the store reads its checkpoint header: a file)
-        source = (PACKAGE / f"{module}.py").read_text()
+    assert messages.StoreStatus._fields[:3] == ("applied", "rejected", "late")
+    assert dataclasses.is_dataclass(worker.WorkerSetup) and dataclasses.is_dataclass(messages.WorkerStats)
+    for path in WING.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            named = [(a.arg, a.annotation) for a in node.args.args] if isinstance(node, ast.FunctionDef) else []
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                named.append((node.target.id, node.annotation))
+            for name, annotation in named:
+                if name in TYPED:
+                    assert annotation is not None and "Any" not in ast.unparse(annotation), (path.stem, name)
+    for module in ("threads", "ray_backend", "driver", "session", "endpoint"):  # (the books read a checkpoint header)
+        source = _source(f"trainer.{module}")
         for key in ("applied", "positions", "staleness_counts", "resumed_from", "num_workers", "local_lr"):
             assert f'["{key}"]' not in source, (module, key)
 
 
+def test_no_class_is_longer_than_300_lines():
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long
+
+
 def _function_lengths():
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted([*PACKAGE.glob("*.py"), *WING.glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 body = node.body
                 doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
                 start = body[1].lineno if doc and len(body) > 1 else body[0].lineno
-                yield f"{path.name}:{node.name}", node.end_lineno - start + 1
+                yield f"{path.relative_to(PACKAGE)}:{node.name}", node.end_lineno - start + 1
 
 
 def test_no_function_is_longer_than_80_lines_of_code():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import asgd_jax
-from asgd_jax.loader import ShardLoader
+from asgd_jax.trainer.loader import ShardLoader
 
 N = 50
 DATA = {"x": np.arange(N, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32), "y": np.arange(N)}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import asgd_jax
 from asgd_jax.packing import Layout
-from asgd_jax.store import BadPush, ParameterStore
+from asgd_jax.trainer.store import BadPush, ParameterStore
 
 DTYPES = [np.float32, np.float16, np.int32, jnp.bfloat16]
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
@@ -95,7 +95,8 @@ def test_a_packed_push_of_the_wrong_size_is_refused_at_once():
     try:
         with pytest.raises(BadPush, match=r"packed buffer 0 is float32\[4\], the model's is float32\[3\]"):
             store.push(0, (np.zeros(4, np.float32),), 0, packed=True)
-        assert (store.received, store.rejected, store.applied) == (1, 1, 0)
+        s = store.status()
+        assert (s.received, s.rejected, s.applied) == (1, 1, 0)
     finally:
         store.close()
 

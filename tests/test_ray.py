@@ -27,9 +27,9 @@ from helpers.problems import (
 )
 
 import asgd_jax
-from asgd_jax.loader import ShardLoader
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.loader import ShardLoader
 
 ray = pytest.importorskip("ray")
 

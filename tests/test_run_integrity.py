@@ -18,11 +18,11 @@ import pytest
 from helpers.problems import DATA, W0, W1, BatchOrder, lsq_loss, simulate_lsq
 
 import asgd_jax
-from asgd_jax import session, trace
+from asgd_jax import trace
 from asgd_jax.cli import main
 from asgd_jax.errors import ConfigError
 from asgd_jax.plan import Plan
-from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer import TrainConfig, session, train
 
 GUARD = 300.0  # a run that hangs ends here, as a timeout, and fails the assertions
 
@@ -117,7 +117,7 @@ def test_another_runs_trace_with_the_same_flags_is_refused_on_resume(tmp_path):
     with pytest.raises(ConfigError, match="the trace is another run's"):
         _resume(tmp_path / "a")
     with pytest.raises(ConfigError, match="the trace is another run's"):  # the same one line on the command line
-        asgd_jax.store.check_resume(tmp_path / "a", json.loads(_header(tmp_path / "a")))
+        asgd_jax.trainer.persistence.check_resume(tmp_path / "a", json.loads(_header(tmp_path / "a")))
 
 
 def _header(out) -> str:
@@ -273,7 +273,7 @@ def test_a_refused_resume_on_ray_is_one_line_before_any_actor(tmp_path, monkeypa
     pytest.importorskip("ray")
     import ray
 
-    from asgd_jax import ray_backend
+    from asgd_jax.trainer import ray_backend
 
     _train(_config(tmp_path))
     monkeypatch.setattr(ray_backend, "run", lambda *a, **k: pytest.fail("an actor was started"))

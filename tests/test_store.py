@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import asgd_jax
-from asgd_jax.store import BadPush, ParameterStore, StaleRound, StoreClosed
+from asgd_jax.trainer.store import BadPush, ParameterStore, StaleRound, StoreClosed
 
 
 def test_store_rejects_bad_pushes_and_keeps_the_model():
@@ -30,7 +30,8 @@ def test_store_rejects_bad_pushes_and_keeps_the_model():
         np.testing.assert_array_equal(store.state().params["w"], np.zeros(3))  # untouched
         params, _, version = store.push(1, {"w": np.ones(3, np.float32)}, version).result(timeout=10)
         np.testing.assert_allclose(params["w"], -0.1 * np.ones(3))
-        assert (store.received, store.applied, store.rejected, store.late) == (6, 1, 5, 0)
+        s = store.status()
+        assert (s.received, s.applied, s.rejected, s.late) == (6, 1, 5, 0)
         with pytest.raises(ValueError, match="worker=2"):
             store.pull(2)
         # DC-ASGD's backups are the pulled weights: worker 1 pulled (by pushing) the current ones, worker 0 still
@@ -94,7 +95,7 @@ def test_an_ssgd_round_applies_the_mean_of_all_workers_once():
     try:
         payloads = [{"w": np.array([1.0, 0.0], np.float32) * (w + 1)} for w in range(3)]  # mean: [2, 0]
         answers = _round(store, payloads)
-        assert store.applied == 1 and store.received == 1  # one update, pushed as worker 0
+        assert store.status().applied == 1 and store.status().received == 1  # one update, pushed as worker 0
         for w in range(3):
             params, _, version = answers[w]
             np.testing.assert_allclose(params["w"], [-1.0, 0.0])  # w - 0.5 * mean
@@ -104,7 +105,7 @@ def test_an_ssgd_round_applies_the_mean_of_all_workers_once():
         # A non-finite mean is rejected: every worker gets the unchanged weights back, and the next round goes on.
         bad = [{"w": np.array([np.nan, 0.0], np.float32)}, *payloads[1:]]
         answers = _round(store, bad, version=1)
-        assert store.applied == 1 and store.rejected == 1
+        assert store.status().applied == 1 and store.status().rejected == 1
         assert all(np.allclose(answers[w][0]["w"], [-1.0, 0.0]) and answers[w][2] == 1 for w in range(3))
     finally:
         store.close()
@@ -130,3 +131,40 @@ def test_calling_the_rounds_off_releases_every_waiting_worker():
             store.push_round(1, {"w": np.ones(2, np.float32)}, 0)
     finally:
         store.close()
+
+
+def test_the_store_keeps_its_state_on_the_device_it_is_given_and_takes_pushes_from_other_devices():
+    """``store_device``: the server state lives there, and a payload lying on a worker's device is applied exactly as
+    the same payload from the host."""
+    from asgd_jax.trainer import TrainConfig
+    from asgd_jax.trainer.endpoint import for_run
+
+    params = {"w": np.arange(3, dtype=np.float32)}
+    config = TrainConfig(asgd_jax.Plan(2, num_updates=10), store_device="cpu:3", progress=False)
+    on_device, on_host = (
+        for_run(asgd_jax.dc_asgd(0.5, 2.0, adaptive=True), params, config, header={}, model_state=None, evaluates=False)
+        for _ in range(2)
+    )
+    try:
+        assert on_device.device == jax.devices("cpu")[3]
+        assert {d for x in jax.tree.leaves(on_device.server.state) for d in x.devices()} == {jax.devices("cpu")[3]}
+        grads = np.array([0.5, -1.0, 2.0], np.float32)
+        for store, payload in ((on_device, jax.device_put(grads, jax.devices("cpu")[1])), (on_host, grads)):
+            store.pull(1)
+            store.push(0, (payload,), 0, packed=True).result(timeout=60)
+            store.push(1, (payload,), 0, packed=True).result(timeout=60)  # stale by one: the correction is used
+        np.testing.assert_array_equal(on_device.final_weights()[0]["w"], on_host.final_weights()[0]["w"])
+    finally:
+        on_device.close()
+        on_host.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [("GPU 1", "PLATFORM"), ("cpu:", "PLATFORM"), ("tpu", "no tpu device"), ("cpu:99", "index below 8")],
+)
+def test_a_store_device_that_is_not_there_is_refused_by_name(spec, says):
+    from asgd_jax.trainer import TrainConfig
+
+    with pytest.raises(asgd_jax.ConfigError, match=f"store_device.*{spec!r}.*{says}|{says}"):
+        TrainConfig(store_device=spec).store_device_now()

@@ -31,18 +31,19 @@ RULES = {"asgd": lambda: asgd_jax.asgd(0.05), "dc_asgd_a": lambda: asgd_jax.dc_a
 
 
 @pytest.mark.parametrize(
-    ("rule_name", "n_sync", "push", "local_lr"),
+    ("rule_name", "n_sync", "push", "local_lr", "store_device"),
     [
-        ("asgd", 1, "gradients", None),
-        ("dc_asgd_a", 1, "gradients", None),
-        ("asgd", 3, "delta", 0.05),
-        ("dc_asgd_a", 2, "accumulate", None),
-        ("asgd", 2, "gradients", 0.02),
+        ("asgd", 1, "gradients", None, "cpu"),
+        ("dc_asgd_a", 1, "gradients", None, "cpu"),
+        ("asgd", 3, "delta", 0.05, "cpu"),
+        ("dc_asgd_a", 2, "accumulate", None, "cpu"),
+        ("asgd", 2, "gradients", 0.02, "cpu"),
+        ("dc_asgd_a", 1, "gradients", None, "cpu:7"),  # a store on a device of its own: pushes device to device
     ],
 )
-def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, push, local_lr, request):
+def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, push, local_lr, store_device, request):
     """The signature property: the trace of a real multi-device run replays in the simulator to the same weights,
-    for every n_sync and push mode."""
+    for every n_sync and push mode, wherever the store keeps its state."""
     key = jax.random.key(5)
     request.getfixturevalue("no_implicit_transfers")
     steps = 40 if n_sync == 1 else 16
@@ -52,7 +53,9 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
         RULES[rule_name](),
         W0,
         DATA,
-        TrainConfig(Plan(4, num_updates=steps, batch_size=4, **sync), seed=5, out=str(tmp_path)),
+        TrainConfig(
+            Plan(4, num_updates=steps, batch_size=4, **sync), seed=5, out=str(tmp_path), store_device=store_device
+        ),
         devices=jax.devices()[:4],
     )
     jax.config.update("jax_transfer_guard", "allow")  # the replay below is ordinary host-side code
@@ -73,14 +76,14 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
-    original = asgd_jax.loader.ShardLoader.batch
+    original = asgd_jax.trainer.loader.ShardLoader.batch
 
     def failing(self, j):
         if self.worker == 1 and j >= 2:
             raise OSError("disk went away")
         return original(self, j)
 
-    monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", failing)
+    monkeypatch.setattr(asgd_jax.trainer.loader.ShardLoader, "batch", failing)
     result = train(
         lsq_loss,
         asgd_jax.asgd(0.05),

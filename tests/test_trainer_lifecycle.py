@@ -47,16 +47,16 @@ def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_p
     killed = _python(f"""
         import os, signal, sys
         sys.path.insert(0, "tests")
-        import jax, asgd_jax.loader
+        import jax, asgd_jax.trainer.loader
         from helpers.problems import DATA, W0, lsq_loss, simulate_clean
         from test_trainer_lifecycle import rule
         from asgd_jax.trainer import TrainConfig, train
-        original = asgd_jax.loader.ShardLoader.batch
+        original = asgd_jax.trainer.loader.ShardLoader.batch
         def batch(self, j):
             if self.worker == 0 and j >= 6 and os.path.exists({str(tmp_path / "checkpoint.npz")!r}):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, j)
-        asgd_jax.loader.ShardLoader.batch = batch
+        asgd_jax.trainer.loader.ShardLoader.batch = batch
         train(lsq_loss, rule(), W0, DATA, TrainConfig(asgd_jax.Plan(4, num_updates=40, batch_size=4,
               checkpoint_every=5), seed=3, out={str(tmp_path)!r}, progress=False))
     """)
@@ -115,8 +115,8 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one(tmp_
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch):
     # Ctrl-C raises KeyboardInterrupt in the thread that runs train(), which sits in the driver's loop polling the
     # store. Simulated there (whatever thread the test runner uses), once worker 1 has asked for its 5th minibatch.
-    original = asgd_jax.loader.ShardLoader.batch
-    original_poll = asgd_jax.store.Endpoint.progress
+    original = asgd_jax.trainer.loader.ShardLoader.batch
+    original_poll = asgd_jax.trainer.endpoint.Endpoint.progress
     pressed, slow = [], []
 
     def batch(self, j):
@@ -133,8 +133,8 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
             raise KeyboardInterrupt
         return original_poll(self)
 
-    monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", batch)
-    monkeypatch.setattr(asgd_jax.store.Endpoint, "progress", progress)
+    monkeypatch.setattr(asgd_jax.trainer.loader.ShardLoader, "batch", batch)
+    monkeypatch.setattr(asgd_jax.trainer.endpoint.Endpoint, "progress", progress)
     with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
         train(
             lsq_loss,
@@ -147,8 +147,8 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
     stopped_at = _header(tmp_path)["applied"]
     assert 0 < stopped_at < 40  # the final checkpoint holds every applied update (no checkpoint_every was set)
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
-    monkeypatch.setattr(asgd_jax.loader.ShardLoader, "batch", original)
-    monkeypatch.setattr(asgd_jax.store.Endpoint, "progress", original_poll)
+    monkeypatch.setattr(asgd_jax.trainer.loader.ShardLoader, "batch", original)
+    monkeypatch.setattr(asgd_jax.trainer.endpoint.Endpoint, "progress", original_poll)
     result = train(
         lsq_loss,
         rule(),

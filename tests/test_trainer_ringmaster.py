@@ -13,8 +13,8 @@ from helpers.problems import DATA, W0, lsq_loss, replay_clean
 import asgd_jax
 from asgd_jax import delays, trace
 from asgd_jax.plan import Plan
-from asgd_jax.store import ParameterStore
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.store import ParameterStore
 
 
 def test_the_store_ignores_a_push_r_stale_and_answers_with_the_current_weights(tmp_path):

@@ -15,8 +15,8 @@ import asgd_jax
 from asgd_jax import delays, trace
 from asgd_jax.errors import ConfigError
 from asgd_jax.plan import Plan
-from asgd_jax.store import Gather, ParameterStore, StaleRound
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.store import Gather, ParameterStore, StaleRound
 
 SGD = asgd_jax.rules.get("sgd", 1.0)
 

@@ -328,7 +328,7 @@ def run(
     if runs_per_task is not None:
         errors.int_at_least("runs_per_task", runs_per_task, 2, "--runs-per-task")
     if backend == "ray":
-        from asgd_jax.ray_backend import require_ray
+        from asgd_jax.ray_cluster import require_ray
 
         require_ray()  # fails at once, with the install command
     start = time.perf_counter()
@@ -503,7 +503,7 @@ def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done, run
     import ray
     from tqdm.auto import tqdm
 
-    from asgd_jax.ray_backend import join
+    from asgd_jax.ray_cluster import join
 
     join(address)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 import asgd_jax
-from asgd_jax.store import ParameterStore
+from asgd_jax.trainer.store import ParameterStore
 
 WORKERS = 4
 RULES = os.environ.get("RULES", "asgd dc_asgd_a").split()

@@ -1,8 +1,9 @@
 """The trainer's throughput: updates/s with 1, 2 and 4 workers beside the floor, and what one push costs the store.
 
-Two model sizes, the `cnn` (13,706 parameters on 8x8 inputs) and ResNet-20 (269,722 on 32x32x3, CIFAR-10's size),
-batch 32 per worker, DC-ASGD-a (per-worker MeanSquare, the heaviest rule), on the devices JAX sees (8 fake CPU
-devices here: each worker owns one). Measured side by side in one process:
+Two model sizes by default, the `cnn` (13,706 parameters on 8x8 inputs) and ResNet-20 (269,722 on 32x32x3, CIFAR-10's
+size; `convnet` too on request), batch 32 per worker (`--batch`), DC-ASGD-a (per-worker MeanSquare, the heaviest
+rule), on the devices JAX sees (8 fake CPU devices here: each worker owns one), with the store's state on the host
+(`--store-devices cpu gpu` for both placements on a GPU machine). Measured side by side in one process:
 
 - floor: what a user writes without this project: one `jax.jit` SGD step of the same model and batch (plain optax),
   called in a loop on one device: steps/s.
@@ -14,7 +15,9 @@ devices here: each worker owns one). Measured side by side in one process:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/benchmarks/trainer_throughput.py
     ... trainer_throughput.py --quick      # fewer updates (~3 minutes on 2 cores)
 
-On a GPU machine run it as is: it uses the devices JAX sees (one worker per GPU).
+On a GPU machine (gpu_check.sh): `--quick --models resnet20 convnet --batch 128 --workers 1 2 4 8 --store-devices cpu
+gpu`, one worker per GPU. The last line of each model states the store's ceiling (pushes/s) against one device's step
+rate: with M workers the trainer reaches at most min(M, ceiling / floor) x the floor.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ import optax
 
 import asgd_jax
 from asgd_jax.plan import Plan
-from asgd_jax.store import ParameterStore
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.store import ParameterStore
 
-BATCH = 32
+BATCH = 32  # per worker (--batch)
 
 
 def problem(name: str):
@@ -85,8 +88,9 @@ def floor(model, params, state, data, steps: int) -> float:
     return steps / (time.perf_counter() - t0)
 
 
-def trainer(model, params, state, data, workers: int, updates: int) -> float:
-    config = TrainConfig(Plan(workers, num_updates=updates, batch_size=BATCH), progress=False)
+def trainer(model, params, state, data, workers: int, updates: int, store_device: str = "cpu") -> float:
+    plan = Plan(workers, num_updates=updates, batch_size=BATCH)
+    config = TrainConfig(plan, progress=False, store_device=store_device)
     result = train(
         asgd_jax.classification_loss(model),
         asgd_jax.rules.get("dc_asgd_a", 0.05),
@@ -99,14 +103,15 @@ def trainer(model, params, state, data, workers: int, updates: int) -> float:
     return result.pushes_applied / result.seconds
 
 
-def store_push(params, state, pushes: int) -> tuple[float, float]:
+def store_push(params, state, pushes: int, store_device: str = "cpu") -> tuple[float, float]:
     """Milliseconds per push through the store, and for its jitted exchange alone (median of ``pushes``)."""
     rule = asgd_jax.rules.get("dc_asgd_a", 0.05)
+    device = TrainConfig(store_device=store_device).store_device_now()
     with tempfile.TemporaryDirectory() as out:
-        store = ParameterStore(rule, params, 4, model_state=state, out_dir=out)
+        store = ParameterStore(rule, params, 4, model_state=state, out_dir=out, device=device)
         store.warm_up()
         grads = jax.tree.map(lambda x: np.full(x.shape, 1e-3, np.float32), params)
-        payload, model_state = store.layout.pack_host(grads), store.pack_model_state(state)  # what a worker sends
+        payload, model_state = store.layout.pack_host(grads), store.model_state_layout.pack_host(state)
         whole = []
         for i in range(pushes):
             t0 = time.perf_counter()
@@ -129,8 +134,12 @@ def store_push(params, state, pushes: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer updates")
-    parser.add_argument("--models", nargs="+", default=["cnn", "resnet20"])
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet20"], choices=["cnn", "resnet20", "convnet"])
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4], help="worker counts (one device each)")
+    parser.add_argument("--batch", type=int, default=BATCH, help="minibatch per worker")
+    parser.add_argument("--store-devices", nargs="+", default=["cpu"], help="where the store keeps its state")
     args = parser.parse_args()
+    globals()["BATCH"] = args.batch
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} device(s), batch {BATCH}, DC-ASGD-a"
     )
@@ -141,14 +150,15 @@ def main() -> None:
         steps = (400 if small else 24) if args.quick else (2000 if small else 80)
         base = floor(model, params, state, data, steps)
         print(f"\n{name} ({size:,} parameters): floor {base:.1f} steps/s")
-        for workers in (1, 2, 4):
-            rate = trainer(model, params, state, data, workers, steps)
-            print(f"  trainer x{workers}: {rate:.1f} updates/s  ({rate / base:.2f} x floor)")
-        whole, alone = store_push(params, state, 50 if args.quick else 200)
-        print(
-            f"  one push through the store: {whole:.2f} ms (the jitted exchange alone {alone:.2f} ms): "
-            f"at most {1e3 / whole:.0f} pushes/s"
-        )
+        for where in args.store_devices:
+            for workers in [w for w in args.workers if w <= jax.device_count()]:
+                rate = trainer(model, params, state, data, workers, steps * max(1, workers // 2), where)
+                print(f"  store on {where}, trainer x{workers}: {rate:.1f} updates/s  ({rate / base:.2f} x floor)")
+            whole, alone = store_push(params, state, 50 if args.quick else 200, where)
+            print(
+                f"  store on {where}: one push {whole:.2f} ms (the jitted exchange alone {alone:.2f} ms): its ceiling "
+                f"{1e3 / whole:.0f} pushes/s = {1e3 / whole / base:.2f} x one device's step rate"
+            )
 
 
 if __name__ == "__main__":

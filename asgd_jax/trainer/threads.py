@@ -1,9 +1,10 @@
 """The threaded trainer backend: a store and M worker threads in this process, one device group each.
 
-What it adds to the shared pieces (:class:`asgd_jax.worker.Worker`'s loop, :func:`asgd_jax.driver.drive`) is only how
-to start them here: the store (:func:`asgd_jax.store.for_run`) with its :class:`~asgd_jax.store.Endpoint` as every
-worker's link, worker w on device group ``w mod #groups``, everything compiled before the clock starts (compilation
-holds the GIL), then one thread per worker.
+What it adds to the shared pieces (:class:`asgd_jax.trainer.worker.Worker`'s loop,
+:func:`asgd_jax.trainer.driver.drive`) is only how to start them here: the store
+(:func:`asgd_jax.trainer.endpoint.for_run`) with its :class:`~asgd_jax.trainer.endpoint.Endpoint` as every worker's
+link, worker w on device group ``w mod #groups``, everything compiled before the clock starts (compilation holds the
+GIL), then one thread per worker.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from typing import Any
 import jax
 import optax
 
-from asgd_jax import driver, exchange, packing, session, store, worker
+from asgd_jax import exchange, packing
 from asgd_jax import loss as loss_lib
-from asgd_jax.session import TrainConfig
-from asgd_jax.worker import Worker, WorkerSetup
+from asgd_jax.trainer import driver, session
+from asgd_jax.trainer.config import TrainConfig
+from asgd_jax.trainer.endpoint import Endpoint, for_run
+from asgd_jax.trainer.messages import Finished, Progress, WorkerStats
+from asgd_jax.trainer.worker import Worker, WorkerSetup, device_groups
 
 __all__ = ["run"]
 
-log = logging.getLogger("asgd_jax.threads")
+log = logging.getLogger("asgd_jax.trainer.threads")
 
 
 def run(
@@ -45,27 +49,17 @@ def run(
 ) -> session.TrainResult:
     """One session of the threaded backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     m = config.plan.workers
-    groups = worker.device_groups(devices, config.devices_per_worker)
+    groups = device_groups(devices, config.devices_per_worker)
     spare = [d for d in devices if d not in {d for g in groups[: min(len(groups), m)] for d in g}]
     metrics, evaluator = driver.logs(config, eval_fn, eval_device or (spare or devices)[-1], on_metrics)
-    the_store = store.for_run(rule, params, config, header=header, model_state=model_state, evaluates=bool(eval_fn))
-    endpoint = store.Endpoint(the_store, config.plan.mode, timeout=config.timeout)
+    the_store = for_run(rule, params, config, header=header, model_state=model_state, evaluates=bool(eval_fn))
+    endpoint = Endpoint(the_store, config.discipline, timeout=config.timeout)
     status = the_store.status()
     metrics.open(config.out, status)
     layouts = packing.layouts(params, model_state)
     workers = [
         Worker(
-            WorkerSetup(
-                w,
-                m,
-                ex,
-                config.plan.local_lr,
-                config.seed,
-                model_state is not None,
-                layouts,
-                config.slowdown.get(w, 1.0),
-                config.stop_stale(),
-            ),
+            WorkerSetup.of_run(config, w, ex, model_state is not None, layouts, in_process=True),
             endpoint,
             loss,
             data,
@@ -90,15 +84,15 @@ def run(
 
 
 class _Threads:
-    """The driver's :class:`asgd_jax.driver.Backend` over worker threads of this process."""
+    """The driver's :class:`asgd_jax.trainer.driver.Backend` over worker threads of this process."""
 
-    def __init__(self, endpoint: store.Endpoint, workers: list[Worker]):
+    def __init__(self, endpoint: Endpoint, workers: list[Worker]):
         self.endpoint, self.workers = endpoint, workers
         self.stop = threading.Event()
         self.finished: queue.Queue = queue.Queue()
         self.threads: list[threading.Thread] = []
         for w in range(len(workers)):  # until started, every worker has ended (a resumed run that was done)
-            self.finished.put(driver.Finished(w, session.WorkerStats()))
+            self.finished.put(Finished(w, WorkerStats()))
 
     def start(self) -> None:
         self.finished = queue.Queue()
@@ -111,12 +105,12 @@ class _Threads:
 
     def _work(self, w: int) -> None:
         try:
-            self.finished.put(driver.Finished(w, self.workers[w].run(self.stop)))
+            self.finished.put(Finished(w, self.workers[w].run(self.stop)))
         except Exception as e:
             log.exception("worker %d failed", w)
-            self.finished.put(driver.Finished(w, None, f"{type(e).__name__}: {e}"[:500]))
+            self.finished.put(Finished(w, None, f"{type(e).__name__}: {e}"[:500]))
 
-    def wait(self, timeout: float) -> list[driver.Finished]:
+    def wait(self, timeout: float) -> list[Finished]:
         out = []
         try:
             out.append(self.finished.get(timeout=timeout))
@@ -125,7 +119,7 @@ class _Threads:
         except queue.Empty:
             return out
 
-    def poll(self) -> store.Progress:
+    def poll(self) -> Progress:
         return self.endpoint.progress()
 
     def restart(self, worker: int) -> bool:
@@ -138,7 +132,7 @@ class _Threads:
     def fail(self, why: str) -> None:
         self.endpoint.fail(why)
 
-    def close(self) -> tuple[store.Progress, Any, Any]:
+    def close(self) -> tuple[Progress, Any, Any]:
         self.stop.set()  # a straggler asleep wakes now; a worker computing ends after its exchange period
         progress, params, model_state = self.endpoint.close()
         deadline = time.perf_counter() + driver.GOODBYE

@@ -1,11 +1,11 @@
 """Real asynchronous training: workers on devices (threads here, or actors on a Ray cluster) against a parameter store.
 
 :func:`train` validates everything before anything compiles or starts, runs the warm start (GPU A-SGD: one worker
-first, then all M from its weights) and hands the run to a backend: :mod:`asgd_jax.threads` (this machine's devices)
-or :mod:`asgd_jax.ray_backend` (a Ray cluster). Both share :mod:`asgd_jax.session` and the store's server step, so a
-run's ``trace.jsonl`` replays in the simulator: ``simulate(..., replay_plan(out), key=jax.random.key(seed))`` (the
-plan the run recorded in ``plan.json``, its delays the recorded trace) reproduces the final weights to float tolerance
-(the same minibatches and dropout masks), also across a kill and a resume.
+first, then all M from its weights) and hands the run to a backend: :mod:`asgd_jax.trainer.threads` (this machine's
+devices) or :mod:`asgd_jax.trainer.ray_backend` (a Ray cluster). Both share :mod:`asgd_jax.trainer.session` and the
+store's server step, so a run's ``trace.jsonl`` replays in the simulator: ``simulate(..., replay_plan(out),
+key=jax.random.key(seed))`` (the plan the run recorded in ``plan.json``, its delays the recorded trace) reproduces the
+final weights to float tolerance (the same minibatches and dropout masks), also across a kill and a resume.
 
 Example:
   >>> import jax, numpy as np, jax.numpy as jnp, asgd_jax
@@ -31,12 +31,16 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, delays, errors, exchange, interrupts, rules, session, store, worker
+from asgd_jax import checkpoint, delays, errors, exchange, interrupts, rules
 from asgd_jax import loss as loss_lib
 from asgd_jax.plan import Plan
-from asgd_jax.session import TrainConfig, TrainResult, WorkerStats
+from asgd_jax.trainer import session
+from asgd_jax.trainer.config import TrainConfig
+from asgd_jax.trainer.persistence import check_resume
+from asgd_jax.trainer.session import TrainResult
+from asgd_jax.trainer.worker import device_groups
 
-__all__ = ["TrainConfig", "TrainResult", "WorkerStats", "replay_plan", "train"]
+__all__ = ["PLAN", "replay_plan", "train"]
 
 PLAN = "plan.json"
 
@@ -89,9 +93,10 @@ def train(
     ex = exchange.validate(loss, data, params, model_state, plan)
     devices = list(devices or jax.devices())
     if config.backend == "threads":
-        worker.device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
+        device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
+        config.store_device_now()
     else:
-        from asgd_jax.ray_backend import require_ray
+        from asgd_jax.ray_cluster import require_ray
 
         require_ray()  # fails at once, with the install command
     lock = contextlib.nullcontext() if config.out is None else session.RunLock(config.out)  # one run per folder
@@ -118,12 +123,9 @@ def _start(
         "rule": rules.fingerprint(rule, params),
         "data": _data_fingerprint(data),
     }
-    if isinstance(plan.delays, delays.Ringmaster):  # (keys only such runs have: older checkpoints still resume)
-        header["ringmaster"] = [plan.delays.threshold, plan.delays.stops]
-    if store.Gather.of(plan.delays) is not None:
-        header["rounds"] = list(store.Gather.of(plan.delays))
+    header.update(config.discipline.header())  # (keys only such runs have: older checkpoints still resume)
     if config.resume and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
-        store.check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
+        check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)
     if config.out is not None:
         _record_plan(config.out, plan)
@@ -132,10 +134,10 @@ def _start(
         ex=ex, model_state=model_state, eval_fn=eval_fn, eval_device=eval_device, header=header, on_metrics=on_metrics
     )
     if config.backend == "ray":
-        from asgd_jax import ray_backend
+        from asgd_jax.trainer import ray_backend
 
         return ray_backend.run(loss, rule, params, data, main, **kwargs)
-    from asgd_jax import threads
+    from asgd_jax.trainer import threads
 
     return threads.run(loss, rule, params, data, main, devices=devices, **kwargs)
 
@@ -184,8 +186,8 @@ def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
 
 
 def _resume_decision(config: TrainConfig) -> bool:
-    """Turns ``resume`` into a yes or no (the folder is the run's: :class:`asgd_jax.session.RunLock`): the one place a
-    run's resume is decided, for every backend."""
+    """Turns ``resume`` into a yes or no (the folder is the run's: :class:`asgd_jax.trainer.session.RunLock`): the one
+    place a run's resume is decided, for every backend."""
     if config.out is None:
         return False
     exists = os.path.exists(os.path.join(config.out, session.CHECKPOINT))

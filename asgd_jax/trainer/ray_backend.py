@@ -1,9 +1,10 @@
 """The trainer on Ray: the parameter store as an actor, each worker an actor, exchanging through Ray's object store.
 
-Same semantics as the threaded backend (:mod:`asgd_jax.threads`), and the same code: the store actor holds the
-store's :class:`~asgd_jax.store.Endpoint` (the simulator's server step, the trace, checkpoints), a worker actor runs
-the one :class:`asgd_jax.worker.Worker` loop through a link to it, and :func:`asgd_jax.driver.drive` runs the session,
-so the recorded ``trace.jsonl`` replays in the simulator. What Ray adds is processes and machines:
+Same semantics as the threaded backend (:mod:`asgd_jax.trainer.threads`), and the same code: the store actor holds the
+store's :class:`~asgd_jax.trainer.endpoint.Endpoint` (the simulator's server step, the trace, checkpoints), a worker
+actor runs the one :class:`asgd_jax.trainer.worker.Worker` loop through a link to it, and
+:func:`asgd_jax.trainer.driver.drive` runs the session, so the recorded ``trace.jsonl`` replays in the simulator. What
+Ray adds is processes and machines:
 
 * Worker actors ask for ``num_gpus=devices_per_worker`` when the cluster has GPUs (Ray sets
   ``CUDA_VISIBLE_DEVICES``), one CPU otherwise. The store actor is pinned to the driver's node, so ``out_dir`` (trace,
@@ -38,57 +39,35 @@ from typing import Any
 
 import jax
 
-from asgd_jax import driver, errors, exchange, packing, session, store
+from asgd_jax import errors, exchange, packing
 from asgd_jax import loss as loss_lib
-from asgd_jax.session import TrainConfig
-from asgd_jax.worker import Answer, Sync, Weights, Worker, WorkerSetup
+from asgd_jax.ray_cluster import join, require_ray
+from asgd_jax.trainer import driver, session
+from asgd_jax.trainer.config import TrainConfig
+from asgd_jax.trainer.endpoint import Endpoint, for_run
+from asgd_jax.trainer.messages import Answer, Finished, Progress, StoreStatus, Sync, Weights, WorkerStats
+from asgd_jax.trainer.worker import Worker, WorkerSetup
 
-__all__ = ["StoreActor", "WorkerActor", "join", "require_ray", "run"]
+__all__ = ["StoreActor", "WorkerActor", "run"]
 
 log = logging.getLogger("asgd_jax.ray")
 
-INSTALL = "pip install 'asgd_jax[ray]'  (or: pip install ray)"
 STARTUP_PATIENCE = 600.0  # seconds for the store and the workers to start and compile
 STORE_PATIENCE = 120.0  # seconds a worker waits for a restarting store
 
 
-def join(address: str | None) -> None:
-    """Joins the Ray cluster at ``address`` (or starts a local instance), unless this process already has; a cluster
-    that cannot be reached is a :class:`~asgd_jax.errors.ConfigError` naming it (--ray-address)."""
-    ray = require_ray()
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    except (ConnectionError, RuntimeError) as e:
-        raise errors.ConfigError(
-            f"ray_address={address!r} (--ray-address) cannot be joined ({type(e).__name__}: {str(e).splitlines()[0]}):"
-            " start the cluster (ray start --head) or give its address; without --ray-address a local instance starts"
-        ) from None
-
-
-def require_ray():
-    """Imports Ray, or fails at once with the install command."""
-    try:
-        import ray
-    except ImportError:
-        raise errors.MissingDependency(
-            f"backend='ray' (--backend ray) needs Ray, which is not installed: {INSTALL}"
-        ) from None
-    return ray
-
-
 class StoreActor:
     """The run's store in an actor (threaded: pushes queue in the store while earlier ones are applied), serving its
-    :class:`~asgd_jax.store.Endpoint` to the workers and the driver. It always resumes from its checkpoint when there
-    is one: Ray restarts it there (the driver refused a stale one before starting it)."""
+    :class:`~asgd_jax.trainer.endpoint.Endpoint` to the workers and the driver. It always resumes from its checkpoint
+    when there is one: Ray restarts it there (the driver refused a stale one before starting it)."""
 
     def __init__(self, rule, params, config: TrainConfig, header: dict[str, Any], model_state, evaluates: bool):
-        the_store = store.for_run(
+        config = config.replace(store_device=config.store_device.partition(":")[0])  # the one device Ray gave it
+        the_store = for_run(
             rule, params, config, header=header, model_state=model_state, evaluates=evaluates, resume=True
         )
         the_store.warm_up()
-        self.endpoint = store.Endpoint(the_store, config.plan.mode, timeout=config.timeout)
+        self.endpoint = Endpoint(the_store, config.discipline, timeout=config.timeout)
 
     def sync(self, worker: int) -> Sync:
         return self.endpoint.sync(worker)
@@ -102,7 +81,7 @@ class StoreActor:
     def wait_version(self, version: int, timeout: float) -> int:
         return self.endpoint.wait_version(version, timeout)
 
-    def progress(self) -> store.Progress:
+    def progress(self) -> Progress:
         return self.endpoint.progress()
 
     def end(self, why: str) -> None:
@@ -111,7 +90,7 @@ class StoreActor:
     def fail(self, why: str) -> None:
         self.endpoint.fail(why)
 
-    def close(self) -> tuple[store.Progress, Any, Any]:
+    def close(self) -> tuple[Progress, Any, Any]:
         return self.endpoint.close()
 
 
@@ -153,7 +132,7 @@ class _StoreLink:
 
 
 class WorkerActor:
-    """One worker in an actor: the one :class:`asgd_jax.worker.Worker` loop on the devices Ray gave it."""
+    """One worker in an actor: the one :class:`asgd_jax.trainer.worker.Worker` loop on the devices Ray gave it."""
 
     def __init__(self, setup: WorkerSetup, store_actor, loss, data, devices_per_worker: int):
         devices = jax.devices()[:devices_per_worker]
@@ -170,7 +149,7 @@ class WorkerActor:
         """Compiles the exchange-period function, before the driver starts the clock."""
         self.worker.warm_up()
 
-    def run(self) -> session.WorkerStats:
+    def run(self) -> WorkerStats:
         """Pushes until the store closes; returns where this worker's time went."""
         return self.worker.run()
 
@@ -229,17 +208,17 @@ def run(
 
 
 class _Ray:
-    """The driver's :class:`asgd_jax.driver.Backend` over a store actor and M worker actors."""
+    """The driver's :class:`asgd_jax.trainer.driver.Backend` over a store actor and M worker actors."""
 
     def __init__(self, ray, config: TrainConfig):
         self.ray, self.c, self.m = ray, config, config.plan.workers
         self.run_id = os.urandom(4).hex()
         self.workers: dict[int, Any] = {}
         self.running: dict[Any, int] = {}
-        self.said_goodbye: list[driver.Finished] = []  # the workers that ended as the store closed
+        self.said_goodbye: list[Finished] = []  # the workers that ended as the store closed
         self.kept: list[Any] = []  # the actors' constructor arguments, alive for their restarts
 
-    def start(self, loss, rule, params, data, ex, model_state, header, evaluates: bool) -> store.StoreStatus:
+    def start(self, loss, rule, params, data, ex, model_state, header, evaluates: bool) -> StoreStatus:
         """The store actor (pinned to this node: the output folder is this machine's) and the worker actors, all
         compiled before the clock starts and within a bound; returns the store's status."""
         ray, c = self.ray, self.c
@@ -253,6 +232,7 @@ class _Ray:
             .options(
                 name=f"asgd-jax/{self.run_id}/store",
                 num_cpus=0,
+                num_gpus=0 if c.store_device == "cpu" else 1,
                 max_concurrency=self.m + 8,
                 max_restarts=-1 if c.out else 0,
                 max_task_retries=0,
@@ -265,9 +245,7 @@ class _Ray:
         stateful = model_state is not None
         layouts = packing.layouts(params, model_state)
         for w in range(self.m):
-            setup = WorkerSetup(
-                w, self.m, ex, c.plan.local_lr, c.seed, stateful, layouts, c.slowdown.get(w, 1.0), c.stop_stale()
-            )
+            setup = WorkerSetup.of_run(c, w, ex, stateful, layouts, in_process=False)
             self.workers[w] = actor.options(
                 name=f"asgd-jax/{self.run_id}/worker-{w}", max_restarts=c.max_restarts, max_task_retries=0, **resources
             ).remote(*self.keep(setup, self.store, loss), data_ref, c.devices_per_worker)
@@ -322,13 +300,13 @@ class _Ray:
         for actor in [*self.workers.values(), self.store]:
             self.ray.kill(actor)
 
-    def poll(self) -> store.Progress | None:
+    def poll(self) -> Progress | None:
         try:
             return self.ray.get(self.store.progress.remote())
         except _actor_errors(self.ray):  # the store is restarting from its checkpoint: poll again later
             return None
 
-    def wait(self, timeout: float) -> list[driver.Finished]:
+    def wait(self, timeout: float) -> list[Finished]:
         ray, out = self.ray, self.said_goodbye
         self.said_goodbye = []
         if not self.running:
@@ -337,9 +315,9 @@ class _Ray:
         for ref in ready:
             w = self.running.pop(ref)
             try:
-                out.append(driver.Finished(w, ray.get(ref)))
+                out.append(Finished(w, ray.get(ref)))
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                out.append(driver.Finished(w, None, f"{type(e).__name__}: {e}"[:500]))
+                out.append(Finished(w, None, f"{type(e).__name__}: {e}"[:500]))
         return out
 
     def restart(self, worker: int) -> bool:
@@ -354,7 +332,7 @@ class _Ray:
     def fail(self, why: str) -> None:
         self.ray.get(self.store.fail.remote(why))
 
-    def close(self) -> tuple[store.Progress, Any, Any]:
+    def close(self) -> tuple[Progress, Any, Any]:
         try:
             final = self.ray.get(self.store.close.remote())
             # The workers' next push is answered "closed": a moment for them to end and report (a straggler asleep

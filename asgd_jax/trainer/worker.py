@@ -3,16 +3,17 @@
 A worker starts from what the store knows about it (:class:`Sync`: its backup, the version it pulled and its data
 position), computes its exchange period on its device group, copies the payload to the host and pushes it through a
 :class:`StoreLink`, which answers with the fresh weights (its next pull) or says why not (:class:`Answer`). Only the
-link differs between substrates: in process it is the store's own :class:`asgd_jax.store.Endpoint`; on Ray it is a
-client of the store actor that turns a dead or restarting store into ``"resync"``.
+link differs between substrates: in process it is the store's own :class:`asgd_jax.trainer.endpoint.Endpoint`; on Ray it
+is a client of the store actor that turns a dead or restarting store into ``"resync"``.
 
 Asynchronous and SSGD workers run the same loop: an SSGD worker's push is its share of a round, answered when the
 round's mean has been applied.
 
 Example:
-  >>> from asgd_jax import worker
-  >>> worker.Answer("closed", None, "the store is closed after 10 updates").status
-  'closed'
+  >>> from asgd_jax.trainer.worker import device_groups
+  >>> import jax
+  >>> len(device_groups(jax.devices("cpu")[:1], 1))
+  1
 """
 
 from __future__ import annotations
@@ -29,17 +30,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asgd_jax import errors, exchange, packing, session
+from asgd_jax import errors, exchange, packing
 from asgd_jax import loss as loss_lib
-from asgd_jax.loader import ShardLoader
+from asgd_jax.trainer.config import TrainConfig
+from asgd_jax.trainer.loader import ShardLoader
+from asgd_jax.trainer.messages import Answer, Sync, Weights, WorkerStats
 
 __all__ = [
-    "ANSWERS",
-    "Answer",
     "DeviceGroup",
     "StoreLink",
-    "Sync",
-    "Weights",
     "WorkInputs",
     "Worker",
     "WorkerSetup",
@@ -47,39 +46,10 @@ __all__ = [
     "stack_batches",
 ]
 
-log = logging.getLogger("asgd_jax.worker")
+log = logging.getLogger("asgd_jax.trainer.worker")
 
 STOP_POLL = 0.01
 """Seconds between a stoppable computation's checks of whether it is done (it wakes at once when the store moves)."""
-
-ANSWERS = ("ok", "rejected", "closed", "resync", "restart")
-"""What a store answers a push with: applied (the fresh weights come back), rejected (NaN/Inf: re-sync and go on),
-closed (the run is over, or the store stopped), resync (computed at weights the store no longer has: a restarted
-store, an SSGD round already past) or restart (a round method's computation its round's end stopped: compute again
-at the weights that come back, on the same minibatches)."""
-
-
-class Weights(NamedTuple):
-    """Weights a worker computes at: the parameters, the model state and the version they were pulled at."""
-
-    params: Any
-    model_state: Any
-    version: int
-
-
-class Sync(NamedTuple):
-    """Where a worker (re)starts: its backup in the store and its data position (pushes applied or rejected)."""
-
-    weights: Weights
-    position: int
-
-
-class Answer(NamedTuple):
-    """A store's answer to a push (see :data:`ANSWERS`); ``weights`` for ``"ok"``, ``why`` otherwise."""
-
-    status: str
-    weights: Weights | None
-    why: str = ""
 
 
 class StoreLink(Protocol):
@@ -114,7 +84,9 @@ class WorkerSetup:
       slowdown: a straggler computes this many times slower (1.0: not one).
       stop_stale: a computation that has become this many updates stale before it is done (its straggling included)
         is stopped and restarted at the current weights on the same minibatches: Ringmaster's R with stops, 1 for
-        the round methods that stop at a round's end (``TrainConfig.stop_stale``); ``None``: never.
+        the round methods that stop at a round's end (the run's ``Discipline.stop_stale``); ``None``: never.
+      direct: the payload goes to the store as it lies on the worker's device (a store in this process on an
+        accelerator: device to device), not through the host.
     """
 
     worker: int
@@ -126,11 +98,32 @@ class WorkerSetup:
     layouts: tuple[packing.Layout, packing.Layout]
     slowdown: float = 1.0
     stop_stale: int | None = None
+    direct: bool = False
 
     @property
     def key(self) -> jax.Array:
         with jax.transfer_guard("allow"):
             return jax.random.key(self.seed)
+
+    @classmethod
+    def of_run(
+        cls, config: TrainConfig, worker: int, ex: exchange.Exchange, stateful: bool, layouts, *, in_process: bool
+    ) -> WorkerSetup:
+        """Worker ``worker``'s setup in a run of ``config`` (its straggling, its discipline's stops; ``in_process``:
+        the store is in this process, so a store on a device takes asynchronous payloads device to device)."""
+        c = config
+        return cls(
+            worker,
+            c.plan.workers,
+            ex,
+            c.plan.local_lr,
+            c.seed,
+            stateful,
+            layouts,
+            c.slowdown.get(worker, 1.0),
+            c.discipline.stop_stale,
+            in_process and c.store_device != "cpu" and not c.discipline.rounds,  # (rounds average on the host)
+        )
 
 
 class WorkInputs(NamedTuple):
@@ -222,7 +215,7 @@ class Worker:
         finally:
             loader.close()
 
-    def run(self, stop: threading.Event | None = None) -> session.WorkerStats:
+    def run(self, stop: threading.Event | None = None) -> WorkerStats:
         """Pushes until the store closes (or ``stop`` is set); returns where the worker's time went.
 
         The stats mean the same on every substrate: ``data`` is the wait for minibatches, ``compute`` the exchange
@@ -230,7 +223,7 @@ class Worker:
         store's answer, ``total`` all of the loop.
         """
         stop = stop or threading.Event()
-        s, stats = self.setup, session.WorkerStats()
+        s, stats = self.setup, WorkerStats()
         weights, loader = self._start()
         batches = None  # kept while a computation on them is restarted
         try:
@@ -244,7 +237,9 @@ class Worker:
                     stats.stop(time.perf_counter() - t1)
                     weights, t1 = self.link.pull(s.worker), time.perf_counter()
                     out = self.work(*self._place(weights, batches))
-                payload, model_state, loss = jax.device_get(out[:3])
+                payload, model_state, loss = out[0], out[1], jax.device_get(out[2])
+                if not s.direct:
+                    payload, model_state = jax.device_get((payload, model_state))
                 t2 = time.perf_counter()
                 answer = self.link.push(s.worker, payload, weights.version, model_state if s.stateful else None, loss)
                 t3 = time.perf_counter()

@@ -2,10 +2,10 @@
 
 A backend starts a store and M workers on its substrate (threads of this process, actors on a Ray cluster) and offers
 them through :class:`Backend`; :func:`drive` does the rest, the same everywhere: it polls the store
-(:class:`asgd_jax.store.Progress`), writes ``metrics.jsonl`` and the progress bar every ``log_every`` seconds, hands
-snapshots of the weights to the evaluator, applies the failure policy when a worker dies (restart it where the
-substrate can, go on, or end the run), stops at the deadline, and on Ctrl-C or any way out closes the store (its
-final checkpoint) before :func:`asgd_jax.session.finish` writes the rest.
+(:class:`~asgd_jax.trainer.messages.Progress`), writes ``metrics.jsonl`` and the progress bar every ``log_every``
+seconds, hands snapshots of the weights to the evaluator, applies the failure policy when a worker dies (restart it
+where the substrate can, go on, or end the run), stops at the deadline, and on Ctrl-C or any way out closes the store
+(its final checkpoint) before :func:`asgd_jax.trainer.session.finish` writes the rest.
 
 Example (what a backend looks like to the driver)::
 
@@ -23,33 +23,31 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from asgd_jax import interrupts, session
-from asgd_jax.session import TrainConfig, WorkerStats
+import jax
 
-__all__ = ["GOODBYE", "Backend", "Finished", "drive", "logs"]
+from asgd_jax import interrupts
+from asgd_jax.trainer import session
+from asgd_jax.trainer.config import TrainConfig
+from asgd_jax.trainer.messages import Finished, Progress, StoreStatus, WorkerStats
 
-log = logging.getLogger("asgd_jax.driver")
+__all__ = ["GOODBYE", "Backend", "drive", "logs"]
+
+log = logging.getLogger("asgd_jax.trainer.driver")
 
 GOODBYE = 10.0
 """Seconds a backend gives its workers to end once the run is over (their next push is answered "closed"; a straggler
 asleep is woken): a worker still computing after that is left behind, its time uncounted."""
 
 
-class Finished(NamedTuple):
-    """A worker that ended: its stats, or why it failed."""
-
-    worker: int
-    stats: WorkerStats | None
-    error: str | None = None
-
-
 class Backend(Protocol):
     """A store and M workers started on some substrate, as the driver sees them."""
 
-    def poll(self) -> Any:
-        """The store's :class:`asgd_jax.store.Progress` (``None`` while it cannot answer, e.g. restarting)."""
+    def poll(self) -> Progress | None:
+        """The store's :class:`~asgd_jax.trainer.messages.Progress` (``None`` while it cannot answer, e.g.
+        restarting)."""
 
     def wait(self, timeout: float) -> list[Finished]:
         """Waits up to ``timeout`` seconds for workers to end; the ones that did since the last call."""
@@ -63,12 +61,15 @@ class Backend(Protocol):
     def fail(self, why: str) -> None:
         """Stops the run with an error (kept in the store's status)."""
 
-    def close(self) -> tuple[Any, Any, Any]:
+    def close(self) -> tuple[Progress, Any, Any]:
         """Closes the store (its final checkpoint), ends the workers; the last progress and the final weights."""
 
 
 def logs(
-    config: TrainConfig, eval_fn: Any, eval_device: Any, on_metrics: Any = None
+    config: TrainConfig,
+    eval_fn: Callable | None,
+    eval_device: jax.Device | None,
+    on_metrics: Callable[[dict], Any] | None = None,
 ) -> tuple[session.MetricsLog, session.Evaluator | None]:
     """A session's ``metrics.jsonl`` with its sinks (TensorBoard event files, ``on_metrics``) and its evaluator (on
     ``eval_device``, writing to the same log; none without an ``eval_fn``)."""
@@ -89,7 +90,7 @@ def drive(
     config: TrainConfig,
     metrics: session.MetricsLog,
     evaluator: session.Evaluator | None,
-    status: Any,
+    status: StoreStatus,
 ) -> session.TrainResult:
     """Runs a started session to its end (the workers done, the deadline, Ctrl-C) and finishes it.
 
@@ -98,7 +99,7 @@ def drive(
       config: the run's settings.
       metrics: its ``metrics.jsonl`` (opened).
       evaluator: evaluates snapshots of the weights, or ``None``.
-      status: the store's :class:`asgd_jax.store.StoreStatus` at the start.
+      status: the store's :class:`~asgd_jax.trainer.messages.StoreStatus` at the start.
     """
     from tqdm.auto import tqdm
 
@@ -151,7 +152,15 @@ def drive(
 class _Run:
     """What the driver keeps while a session runs: the latest status, new losses, each worker's stats and failure."""
 
-    def __init__(self, backend: Backend, config: TrainConfig, metrics, evaluator, status, start: float):
+    def __init__(
+        self,
+        backend: Backend,
+        config: TrainConfig,
+        metrics: session.MetricsLog,
+        evaluator: session.Evaluator | None,
+        status: StoreStatus,
+        start: float,
+    ):
         self.backend, self.c, self.metrics, self.evaluator = backend, config, metrics, evaluator
         self.status, self.start = status, start
         self.losses: list[float] = []
@@ -159,7 +168,7 @@ class _Run:
         self.failures: dict[int, str] = {}
         self.restarts: dict[int, int] = {}
 
-    def take(self, progress: Any) -> None:
+    def take(self, progress: Progress | None) -> None:
         """A poll of the store: its status, the losses since the last poll, snapshots for the evaluator."""
         if progress is None:  # the store cannot answer now (a Ray store restarting from its checkpoint)
             return
@@ -191,7 +200,7 @@ class _Run:
             log.warning("worker %d restarted (%d of %d)", w, restarts + 1, c.max_restarts)
             return
         running.discard(w)
-        if c.on_worker_failure == "stop" or c.plan.mode == "sync":  # SSGD cannot go on without every worker
+        if c.on_worker_failure == "stop" or c.plan.mode == "sync":  # rounds cannot go on without every worker
             self.backend.end(f"worker {w} failed: {finished.error}")
 
     def loop(self, bar) -> bool:

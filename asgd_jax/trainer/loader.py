@@ -8,7 +8,8 @@ shape (the remainder of a shard sits out the epoch); a background thread keeps `
 Example:
   >>> import numpy as np, jax, asgd_jax
   >>> data = {"x": np.arange(20.0)[:, None], "y": np.arange(20)}
-  >>> with asgd_jax.loader.ShardLoader(data, worker=1, num_workers=2, batch_size=4, key=jax.random.key(0)) as it:
+  >>> from asgd_jax.trainer.loader import ShardLoader
+  >>> with ShardLoader(data, worker=1, num_workers=2, batch_size=4, key=jax.random.key(0)) as it:
   ...     batch = next(it)
   >>> batch["x"].shape, batch["y"].shape
   ((4, 1), (4,))

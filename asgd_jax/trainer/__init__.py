@@ -1,0 +1,24 @@
+"""The trainer: real asynchronous training, workers on devices against a parameter store (GPU A-SGD's system).
+
+One wing, one module per part (ARCHITECTURE.md draws how they meet):
+
+* :mod:`~asgd_jax.trainer.training`: :func:`train` (validation, the one resume decision, the warm start, the choice of
+  backend) and :func:`replay_plan`.
+* :mod:`~asgd_jax.trainer.config`: :class:`TrainConfig`, a run's settings; :mod:`~asgd_jax.trainer.discipline`: how a
+  plan exchanges (async, SSGD rounds, Ringmaster's threshold and stops, gathered rounds), one value derived once.
+* :mod:`~asgd_jax.trainer.messages`: what the parts tell each other, typed.
+* The store: :mod:`~asgd_jax.trainer.store` (:class:`~asgd_jax.trainer.store.ParameterStore`), its server state and
+  programs (:mod:`~asgd_jax.trainer.state`), applier thread (:mod:`~asgd_jax.trainer.applier`), books and trace
+  (:mod:`~asgd_jax.trainer.ledger`), rounds (:mod:`~asgd_jax.trainer.rounds`), checkpoints and resume checks
+  (:mod:`~asgd_jax.trainer.persistence`); :mod:`~asgd_jax.trainer.endpoint`, what workers and a driver talk to.
+* :mod:`~asgd_jax.trainer.worker` (the one worker loop) and its :mod:`~asgd_jax.trainer.loader`;
+  :mod:`~asgd_jax.trainer.driver` (the one monitor loop); :mod:`~asgd_jax.trainer.session` (the run folder, metrics,
+  evaluation, the result); the backends :mod:`~asgd_jax.trainer.threads` and :mod:`~asgd_jax.trainer.ray_backend`.
+"""
+
+from asgd_jax.trainer.config import TrainConfig
+from asgd_jax.trainer.messages import WorkerStats
+from asgd_jax.trainer.session import TrainResult
+from asgd_jax.trainer.training import PLAN, replay_plan, train
+
+__all__ = ["PLAN", "TrainConfig", "TrainResult", "WorkerStats", "replay_plan", "train"]

@@ -1,0 +1,197 @@
+"""What the trainer's parts tell each other, typed: a worker's weights and a store's answer, the store's status and
+times, a driver's poll, a worker's stats, and the store's refusals.
+
+Every value that crosses between the store, its endpoint, the workers, the driver and the session (in one process or
+between Ray actors) is one of these: a typo is an ``AttributeError`` at once, not a ``KeyError`` at the end of a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+__all__ = [
+    "ANSWERS",
+    "Answer",
+    "BadPush",
+    "Finished",
+    "Progress",
+    "Snapshot",
+    "StaleRound",
+    "StoreClosed",
+    "StoreStatus",
+    "StoreTimes",
+    "Sync",
+    "Weights",
+    "WorkerStats",
+]
+
+ANSWERS = ("ok", "rejected", "closed", "resync", "restart")
+"""What a store answers a push with: applied (the fresh weights come back), rejected (NaN/Inf: re-sync and go on),
+closed (the run is over, or the store stopped), resync (computed at weights the store no longer has: a restarted
+store, an SSGD round already past) or restart (a round method's computation its round's end stopped: compute again
+at the weights that come back, on the same minibatches)."""
+
+
+class Weights(NamedTuple):
+    """Weights a worker computes at: the parameters, the model state and the version they were pulled at."""
+
+    params: Any
+    model_state: Any
+    version: int
+
+
+class Sync(NamedTuple):
+    """Where a worker (re)starts: its backup in the store and its data position (pushes applied or rejected)."""
+
+    weights: Weights
+    position: int
+
+
+class Answer(NamedTuple):
+    """A store's answer to a push (see :data:`ANSWERS`); ``weights`` for ``"ok"``, ``why`` otherwise."""
+
+    status: str
+    weights: Weights | None
+    why: str = ""
+
+
+class StoreTimes(NamedTuple):
+    """Where the store's time went this session, in seconds (``summary.json``'s ``"store"``).
+
+    Attributes:
+      pushes: pushes its applier handled (applied, rejected as NaN/Inf, ignored as too stale, late).
+      exchange: its exchange programs, from dispatch to the answer on the host (the device's share).
+      bookkeeping: the rest of a push on the applier: counts, the trace line, a checkpoint handed to its writer,
+        snapshots, the answer handed back.
+      idle: the applier waiting for a push (the workers, not the store, set the pace).
+      transfer_in: the pushing threads moving payloads to the store's device (overlapping the applier's work).
+    """
+
+    pushes: int = 0
+    exchange: float = 0.0
+    bookkeeping: float = 0.0
+    idle: float = 0.0
+    transfer_in: float = 0.0
+
+
+class StoreStatus(NamedTuple):
+    """The counts and how a store stands (what a driver polls and a session ends with).
+
+    ``received == applied + rejected + ignored`` always; ``late`` counts the rejected pushes that merely arrived after
+    the store closed; ``ignored`` the pushes ignored as too stale (Ringmaster; Rennala without stops); ``positions``
+    is each worker's data position (its minibatch periods used by applied, rejected or ignored pushes)."""
+
+    applied: int
+    rejected: int
+    late: int
+    received: int
+    closed: bool
+    error: str | None
+    resumed_from: int
+    positions: tuple[int, ...]
+    staleness_counts: dict[int, int]
+    ignored: int = 0
+    times: StoreTimes = StoreTimes()
+
+
+class Snapshot(NamedTuple):
+    """Host copies of the server's weights right after update ``version`` (to evaluate)."""
+
+    version: int
+    params: Any
+    model_state: Any
+
+
+class Progress(NamedTuple):
+    """A driver's poll of a store: its status, the losses pushed since the last poll and the snapshots taken since."""
+
+    status: StoreStatus
+    losses: list[float]
+    snapshots: list[Snapshot]
+
+    def followed_by(self, later: Progress) -> Progress:
+        """This poll and a later one as one: the later status, both polls' losses and snapshots (the workers' last
+        pushes, answered "closed" after the store's final poll, are counted in the run's totals)."""
+        return Progress(later.status, self.losses + later.losses, self.snapshots + later.snapshots)
+
+
+class BadPush(ValueError):
+    """A push that does not fit the model (structure, shape, dtype) or holds NaN/Inf."""
+
+
+class StoreClosed(RuntimeError):
+    """The store stopped taking pushes (the step budget is reached, or it was closed)."""
+
+
+class StaleRound(RuntimeError):
+    """An SSGD payload computed at other weights than the store's (a worker that must re-sync, e.g. after a restart
+    of the store)."""
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    """Where one worker's time went (seconds, this session), the same on every backend.
+
+    Attributes:
+      pushes: payloads it sent.
+      compute: its exchange period on its devices, the transfers around it included (a straggler's extra time too).
+      data: waiting for minibatches.
+      exchange: waiting for the store's answer (push applied, fresh weights back) or, in SSGD, for the round.
+      total: its whole loop (the three above).
+      losses: the training loss of each push.
+      stopped: computations stopped as too stale (Ringmaster with stops); their time is in ``compute`` and
+        ``wasted``.
+      wasted: the seconds of the stopped computations.
+    """
+
+    pushes: int = 0
+    compute: float = 0.0
+    data: float = 0.0
+    exchange: float = 0.0
+    total: float = 0.0
+    losses: list[float] = dataclasses.field(default_factory=list)
+    stopped: int = 0
+    wasted: float = 0.0
+
+    def add(self, *, data: float, compute: float, exchange: float, loss: float) -> None:
+        """One push: its times and its loss."""
+        self.pushes += 1
+        self.data, self.compute, self.exchange = self.data + data, self.compute + compute, self.exchange + exchange
+        self.total += data + compute + exchange
+        self.losses.append(loss)
+
+    def merged(self, other: WorkerStats | None) -> WorkerStats:
+        """These stats and ``other``'s (a worker restarted within a session), summed."""
+        if other is None:
+            return self
+        return WorkerStats(
+            self.pushes + other.pushes,
+            self.compute + other.compute,
+            self.data + other.data,
+            self.exchange + other.exchange,
+            self.total + other.total,
+            self.losses + other.losses,
+            self.stopped + other.stopped,
+            self.wasted + other.wasted,
+        )
+
+    def stop(self, seconds: float) -> None:
+        """One computation stopped after ``seconds``."""
+        self.stopped += 1
+        self.wasted += seconds
+        self.compute += seconds
+        self.total += seconds
+
+    @property
+    def overhead(self) -> float:
+        """Fraction of the worker's time spent outside its exchange period's computation."""
+        return 1.0 - self.compute / self.total if self.total > 0 else 0.0
+
+
+class Finished(NamedTuple):
+    """A worker that ended: its stats, or why it failed."""
+
+    worker: int
+    stats: WorkerStats | None
+    error: str | None = None
