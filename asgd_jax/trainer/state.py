@@ -138,9 +138,9 @@ class StoreState:
     def exchange(self, worker: int, payload: tuple, model_state: tuple) -> Exchanged:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
         worker's pull: one program, the state updated in place."""
-        self.state, staleness, ok, sound, sent = self._exchange(self.state, self._ids[worker], payload, model_state)
-        ok, sound, staleness = (x.item() for x in jax.device_get((ok, sound, staleness)))
-        return Exchanged(ok, staleness, sound, host(sent))
+        self.state, *out = self._exchange(self.state, self._ids[worker], payload, model_state)
+        staleness, ok, sound, sent = host(out)  # one transfer call for the flags and the answer
+        return Exchanged(ok.item(), staleness.item(), sound.item(), sent)
 
     def pull(self, worker: int) -> tuple:
         """Records ``worker``'s pull; the packed weights it computes at."""
