@@ -521,6 +521,9 @@ def _train(args: argparse.Namespace) -> int:
 
     ds = data.load(setup.dataset, data_dir=setup.data_dir)
     model = setup.build_model(ds.num_classes, ds.input_shape)
+    loss = setup.loss(model)  # (an augmentation that cannot fit these inputs is refused here)
+    if setup.augment:
+        print(f"asgd-jax train: --augment on {setup.dataset}: {setup.augmentation(ds.input_shape).describe()}")
     rule = train_rule(args, setup, config.plan, len(ds.y_train))
     params, model_state = model.init(jax.random.key(args.seed))
     if args.warm_start:
@@ -538,7 +541,7 @@ def _train(args: argparse.Namespace) -> int:
     )
     try:
         result = trainer.train(
-            setup.loss(model),
+            loss,
             rule,
             params,
             ds.train,

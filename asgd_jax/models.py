@@ -411,7 +411,9 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return (jnp.argmax(logits, axis=-1) == labels).mean()
 
 
-def classification_loss(model: Model | NnxModel, *, augment: bool = False, padding: int = 4) -> loss_lib.Loss:
+def classification_loss(
+    model: Model | NnxModel, *, augment: bool = False, padding: int = 4, flip: bool = True
+) -> loss_lib.Loss:
     """The training loss of ``model``, declared in the stateful form with auxiliary metrics.
 
     Args:
@@ -420,6 +422,8 @@ def classification_loss(model: Model | NnxModel, *, augment: bool = False, paddi
         random horizontal flip) to every training minibatch, keyed by the update's key. Off by default: DC-ASGD's
         CIFAR-10 runs used no augmentation.
       padding: the padding of the random crop.
+      flip: flip half the images horizontally (not for digits: :func:`asgd_jax.preprocess.augmentation` says what
+        fits a dataset).
 
     Returns:
       An :class:`asgd_jax.loss_lib.Loss` (``has_model_state=True, has_aux=True``) of
@@ -437,7 +441,7 @@ def classification_loss(model: Model | NnxModel, *, augment: bool = False, paddi
       (True, ['error'])
     """
 
-    return loss_lib.Loss(_ClassificationLoss(model, augment, padding), has_model_state=True, has_aux=True)
+    return loss_lib.Loss(_ClassificationLoss(model, augment, padding, flip), has_model_state=True, has_aux=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,11 +452,12 @@ class _ClassificationLoss:
     model: Any
     augment: bool
     padding: int
+    flip: bool = True
 
     def __call__(self, params, model_state, batch, key):
         x = batch["x"]
         if self.augment:
-            x = preprocess.random_crop_flip(jax.random.fold_in(key, 1), x, self.padding)
+            x = preprocess.random_crop_flip(jax.random.fold_in(key, 1), x, self.padding, self.flip)
         logits, model_state = self.model.apply(params, model_state, x, train=True, key=key)
         return cross_entropy(logits, batch["y"]), (model_state, {"error": 1.0 - accuracy(logits, batch["y"])})
 

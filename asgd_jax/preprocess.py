@@ -8,6 +8,7 @@ crop and their horizontal flips, averaged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,66 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["center_crop", "multi_crop_logits", "normalize", "random_crop_flip", "ten_crops"]
+__all__ = [
+    "NOT_MIRRORED",
+    "Augmentation",
+    "augmentation",
+    "center_crop",
+    "multi_crop_logits",
+    "normalize",
+    "random_crop_flip",
+    "ten_crops",
+]
+
+NOT_MIRRORED = frozenset({"digits", "mnist", "emnist", "kmnist", "svhn_cropped", "mnist_corrupted", "binarized_mnist"})
+"""Datasets whose images change class (or stop being one) when mirrored: digits and characters. Augmentation never
+flips them."""
+
+
+class Augmentation(NamedTuple):
+    """A training augmentation fitted to a dataset: a random crop after zero-padding by ``padding``, and a horizontal
+    flip of half the images where the dataset is mirror-symmetric (``flip``)."""
+
+    padding: int
+    flip: bool
+    why: str
+
+    def describe(self) -> str:
+        flips = "and flips" if self.flip else f"without flips ({self.why})"
+        return f"a random crop after padding by {self.padding} pixel(s) {flips}"
+
+
+def augmentation(dataset: str, input_shape: tuple[int, ...]) -> Augmentation:
+    """The augmentation that fits ``dataset``'s images of ``input_shape`` (``[h, w, c]``): the padding an eighth of
+    the image's side (CIFAR-10's 4 at 32 pixels; 1 on 8x8 digits), no flip for :data:`NOT_MIRRORED` datasets.
+
+    Raises:
+      ConfigError: the inputs are not images (``[h, w, c]``), e.g. ``mnist1d``'s signals.
+
+    Example:
+      >>> from asgd_jax import preprocess
+      >>> preprocess.augmentation("digits", (8, 8, 1)).describe()
+      'a random crop after padding by 1 pixel(s) without flips (digits are not mirror-symmetric)'
+      >>> preprocess.augmentation("tfds:cifar10", (32, 32, 3))[:2]
+      (4, True)
+    """
+    shape = tuple(input_shape)
+    errors.require(
+        len(shape) == 3,
+        "augment",
+        True,
+        f"augmentation needs images [height, width, channels]; {dataset}'s inputs are {list(shape)}: drop --augment",
+        "--augment",
+    )
+    base = dataset.removeprefix("tfds:").split(":")[0].split("/")[0]
+    padding = max(1, round(min(shape[:2]) / 8))
+    if base in NOT_MIRRORED:
+        return Augmentation(
+            padding,
+            False,
+            f"{base} are not mirror-symmetric" if base == "digits" else f"{base}'s images are not mirror-symmetric",
+        )
+    return Augmentation(padding, True, "")
 
 
 def normalize(x: np.ndarray | jax.Array, mean, std):

@@ -85,7 +85,9 @@ class Setup:
       momentum: the rule's momentum (``None``: the rule's own default).
       weight_decay: L2 weight decay: the rule is applied to ``g + weight_decay * w`` (the server's current weights,
         chained before the rule; DC-ASGD then compensates the regularised gradient).
-      augment: random crop (padding 4) and horizontal flip of every training minibatch.
+      augment: a random crop and a horizontal flip of every training minibatch, fitted to the dataset
+        (:func:`asgd_jax.preprocess.augmentation`: padding an eighth of the image's side, no flip of digits or
+        characters; refused for inputs that are not images).
       eval_crop, eval_multi_crop: evaluate on the central ``eval_crop`` window, or average the ten crops of that size
         (GPU A-SGD's multi-crop testing).
     """
@@ -139,6 +141,13 @@ class Setup:
             errors.finite_number("momentum", self.momentum, lowest=0.0, flag="--momentum")
         errors.finite_number("weight_decay", self.weight_decay, lowest=0.0, flag="--weight-decay")
         errors.require(isinstance(self.augment, bool), "augment", self.augment, "use True or False", "--augment")
+        errors.require(
+            not (self.augment and self.dataset == "mnist1d"),
+            "augment",
+            self.augment,
+            "augmentation needs images; mnist1d's inputs are 1-D signals [40]: drop --augment",
+            "--augment",
+        )
         if self.eval_crop is not None:
             errors.positive_int("eval_crop", self.eval_crop, "--eval-crop")
         errors.require(
@@ -187,10 +196,20 @@ class Setup:
         return models.get(self.model, num_classes=num_classes, input_shape=input_shape, **options)
 
     def loss(self, model: Any) -> Any:
-        """The training loss (with augmentation when the setup asks for it)."""
+        """The training loss (with the augmentation that fits the dataset when the setup asks for it)."""
         from asgd_jax import models
 
-        return models.classification_loss(model, augment=self.augment)
+        if not self.augment:
+            return models.classification_loss(model)
+        fitted = self.augmentation(model.input_shape)
+        return models.classification_loss(model, augment=True, padding=fitted.padding, flip=fitted.flip)
+
+    def augmentation(self, input_shape: tuple[int, ...]) -> Any:
+        """The augmentation ``augment`` means on this setup's dataset (:func:`asgd_jax.preprocess.augmentation`);
+        ``None`` without ``augment``."""
+        from asgd_jax import preprocess
+
+        return preprocess.augmentation(self.dataset, input_shape) if self.augment else None
 
     def evaluation(self, model: Any, test: Any) -> Any:
         """The held-out evaluation, with its crops."""
