@@ -114,6 +114,28 @@ def test_run_without_a_study_lists_them_and_says_what_is_missing(capsys):
     assert captured.err.startswith("asgd-jax: error: asgd-jax run needs a study")
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("notes.txt", "not python", "is not a study file (Python cannot load it as a module)"),
+        ("README", "# a readme", "is not a study file (Python cannot load it as a module)"),
+        ("syntax.py", "STUDY = = 1\n", "could not be loaded at line 1 (SyntaxError: invalid syntax"),
+        ("imports.py", "import os\nimport no_such_module_zz\n", "at line 2 (ModuleNotFoundError: No module named"),
+        ("raises.py", "x = 1\n\nraise RuntimeError('boom')\n", "at line 3 (RuntimeError: boom)"),
+    ],
+)
+def test_a_path_that_is_not_a_study_file_is_named_with_what_a_study_file_is(
+    tmp_path, monkeypatch, capsys, name, content, message
+):
+    """`asgd-jax run PATH`: a file Python cannot load as a module, or whose code fails, is one line naming it (and
+    the line that failed) and saying what a study file is; nothing runs."""
+    monkeypatch.setattr(studies, "run", _never)
+    path = tmp_path / name
+    path.write_text(content)
+    assert main(["run", str(path), "--quick", "--out", str(tmp_path / "out")]) == 2
+    _one_line(capsys, str(path), message, "a study file is a Python .py file that defines STUDY = ")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Config files: values of the wrong type
 # --------------------------------------------------------------------------------------------------------------------

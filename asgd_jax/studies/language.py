@@ -327,9 +327,7 @@ def load(name_or_path: str | os.PathLike) -> Study:
         errors.require(
             path.is_file(), "study", text, "no such study file: give a path to a .py file that defines STUDY"
         )
-        spec = importlib.util.spec_from_file_location(f"asgd_jax_study_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _study_module(path)
         where = str(path)
     else:
         errors.require(
@@ -344,3 +342,28 @@ def load(name_or_path: str | os.PathLike) -> Study:
     if not isinstance(study, Study):
         raise errors.ConfigError(f"{where} defines no STUDY = asgd_jax.studies.Study(...).")
     return study
+
+
+STUDY_FILE = "a study file is a Python .py file that defines STUDY = asgd_jax.studies.Study(...)"
+
+
+def _study_module(path: pathlib.Path) -> Any:
+    """The module of a study file, or a ``ConfigError`` naming the file and what a study file is: one Python cannot
+    load as a module (not a ``.py`` file), or whose code fails (the error and its line in the file)."""
+    spec = importlib.util.spec_from_file_location(f"asgd_jax_study_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise errors.ConfigError(f"{path} is not a study file (Python cannot load it as a module): {STUDY_FILE}.")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the file's own code failed: where and why, in one line
+        line = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else None
+        tb = e.__traceback__
+        while tb is not None:  # the deepest frame of the study file itself
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        at = f" at line {line}" if line else ""
+        what = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        raise errors.ConfigError(f"{path} could not be loaded{at} ({what}): {STUDY_FILE}.") from e
+    return module
