@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -37,7 +38,7 @@ import numpy as np
 
 from asgd_jax.errors import ConfigError
 
-__all__ = ["Recipe", "of", "recipe"]
+__all__ = ["Recipe", "describe", "of", "recipe"]
 
 # A rule's update function -> the recipe that built it. Keyed weakly: a rule that is gone takes its entry with it.
 _RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -105,6 +106,49 @@ def of(made: Any) -> Recipe | None:
         return _RECIPES.get(_target(made))
     except TypeError:  # not weakly referenceable: not one of ours
         return None
+
+
+def describe(value: Any) -> str | None:
+    """A stable text of ``value``, the same in every process: a rule's or schedule's recipe (its factory and every
+    argument, numbers included: a schedule's later steps too), or a dataclass value (a loss, a model) field by field;
+    ``None`` where some part is known only by its address. What a resumed run compares with the run it continues.
+
+    Example:
+      >>> import asgd_jax
+      >>> step = asgd_jax.schedules.piecewise(0.1, [100], [0.1])
+      >>> describe(asgd_jax.asgd(step)) == describe(asgd_jax.asgd(asgd_jax.schedules.piecewise(0.1, [100], [0.1])))
+      True
+      >>> describe(asgd_jax.asgd(step)) == describe(asgd_jax.asgd(asgd_jax.schedules.piecewise(0.1, [200], [0.1])))
+      False
+    """
+    made = of(value)
+    text = _text(tuple(made) if made is not None else value)
+    return None if " at 0x" in text else text
+
+
+def _text(x: Any) -> str:
+    """:func:`describe`'s text of one value."""
+    if made := of(x) if callable(x) else None:
+        return "recipe" + _text(tuple(made))
+    if inspect.isfunction(x) or inspect.isclass(x) or inspect.ismethod(x) or inspect.isbuiltin(x):
+        return f"{getattr(x, '__module__', '')}.{getattr(x, '__qualname__', repr(x))}"
+    if type(x).__module__.startswith("flax"):  # a flax module: its own repr lists its configuration
+        return repr(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        fields = ", ".join(f"{f.name}={_text(getattr(x, f.name))}" for f in dataclasses.fields(x))
+        return f"{type(x).__qualname__}({fields})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_text(v)}" for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(x, list | tuple):
+        return "(" + ", ".join(_text(v) for v in x) + ")"
+    if isinstance(x, bool | int | str | None):
+        return repr(x)
+    if isinstance(x, float | np.floating):
+        return f"{float(x):.9g}"
+    if isinstance(x, np.ndarray | jax.Array):
+        a = np.asarray(x)
+        return f"array{list(a.shape)}{a.dtype}{[f'{v:.9g}' for v in a.ravel()[:64].astype(np.float64)]}"
+    return repr(x)
 
 
 def recipe(

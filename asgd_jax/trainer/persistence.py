@@ -17,7 +17,11 @@ from typing import Any
 from asgd_jax import checkpoint, errors, trace
 from asgd_jax.trainer.session import CHECKPOINT
 
-__all__ = ["Checkpoints", "check_header", "check_resume", "trace_pin"]
+__all__ = ["ADDED_LATER", "Checkpoints", "check_header", "check_resume", "trace_pin"]
+
+ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps"})
+"""Header keys that checkpoints written before 2026-12-03 do not hold: a resume of such a checkpoint does not check
+them (everything it does hold is checked)."""
 
 
 def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:
@@ -28,7 +32,8 @@ def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:
 
 def check_header(path: str, saved: dict[str, Any], header: dict[str, Any]) -> None:
     """Refuses a checkpoint whose header (``saved``) differs from this run's in any key of ``header``."""
-    mismatched = {k: (saved.get(k), v) for k, v in header.items() if saved.get(k) != v}
+    checked = {k: v for k, v in header.items() if k in saved or k not in ADDED_LATER}
+    mismatched = {k: (saved.get(k), v) for k, v in checked.items() if saved.get(k) != v}
     if mismatched:
         details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
         raise errors.ConfigError(

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, delays, errors, exchange, interrupts, rules
+from asgd_jax import checkpoint, delays, errors, exchange, interrupts, recipes, rules
 from asgd_jax import loss as loss_lib
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import session
@@ -122,6 +122,12 @@ def _start(
         "devices_per_worker": config.devices_per_worker,
         "rule": rules.fingerprint(rule, params),
         "data": _data_fingerprint(data),
+        # What a probe of the rule cannot see (a schedule's later steps) and what the loss computes (the model, its
+        # dtype, the augmentation), as stable text; and the warm start's length. Checkpoints before 2026-12-03 lack
+        # these keys: they are not checked there (persistence.ADDED_LATER).
+        "recipe": recipes.describe(rule),
+        "loss": recipes.describe(loss.fn),
+        "warm_start_steps": config.warm_start_steps,
     }
     header.update(config.discipline.header())  # (keys only such runs have: older checkpoints still resume)
     if config.resume and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):

@@ -1,0 +1,56 @@
+"""A resumed training run computes what the run it continues computed: every setting that changes the weights is
+checked against the checkpoint (#34 item 12: the schedule, the augmentation, the compute dtype, the warm start)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asgd_jax.cli import main
+from asgd_jax.errors import ConfigError
+from asgd_jax.trainer.persistence import ADDED_LATER, check_header
+
+pytestmark = pytest.mark.xdist_group("resume_settings")  # one worker trains the module's run once
+
+BASE = ["train", "--dataset", "digits", "--model", "mlp", "--workers", "2", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main([*BASE, "--num-updates", "20", "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("flags", "key"),
+    [
+        (["--schedule", "step"], "recipe"),
+        (["--augment"], "loss"),
+        (["--dtype", "bfloat16"], "loss"),
+        (["--warm-start-steps", "10"], "warm_start_steps"),
+        (["--lr", "0.3"], "rule"),
+    ],
+)
+def test_a_resume_that_would_compute_something_else_is_refused_in_one_line(finished, flags, key, capsys):
+    trace = (finished / "trace.jsonl").read_text()
+    argv = [*BASE, "--num-updates", "30", "--no-progress", "--out", str(finished), "--resume", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "written by a different run" in err and f"{key}: checkpoint" in err, err
+    assert (finished / "trace.jsonl").read_text() == trace  # refused before anything ran
+
+
+def test_the_same_settings_resume(finished):
+    """The new keys are stable: the same flags, made again, resume (this runs last in the file: it extends the run)."""
+    assert main([*BASE, "--num-updates", "30", "--no-progress", "--out", str(finished), "--resume"]) == 0
+    assert len((finished / "trace.jsonl").read_text().splitlines()) >= 30
+
+
+def test_a_checkpoint_from_before_these_keys_still_resumes_and_is_checked_on_the_rest():
+    now = {"num_workers": 2, "rule": "abc", "recipe": "r", "loss": "l", "warm_start_steps": 0}
+    older = {k: v for k, v in now.items() if k not in ADDED_LATER}
+    check_header("checkpoint.npz", older, now)  # nothing to compare the new keys with: accepted
+    with pytest.raises(ConfigError, match="rule: checkpoint 'xyz' vs now 'abc'"):
+        check_header("checkpoint.npz", {**older, "rule": "xyz"}, now)
+    with pytest.raises(ConfigError, match="loss: checkpoint 'other' vs now 'l'"):
+        check_header("checkpoint.npz", {**older, "loss": "other"}, now)
