@@ -8,11 +8,27 @@ Example:
 
 from __future__ import annotations
 
+import socket
+
 from asgd_jax import errors
 
-__all__ = ["INSTALL", "join", "require_ray"]
+__all__ = ["INSTALL", "PROBE_SECONDS", "join", "require_ray", "unreachable"]
 
 INSTALL = "pip install 'asgd_jax[ray]'  (or: pip install ray)"
+PROBE_SECONDS = 5.0  # how long a cluster's address is given to accept a connection
+
+
+def unreachable(address: str) -> str | None:
+    """Why nothing answers at a ``host:port`` (or ``ray://host:port``) address, or ``None`` when something does or
+    the address is not of that form (``"auto"``: Ray finds the local cluster itself)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as e:
+        return f"nothing accepts a connection at {host or '127.0.0.1'}:{port}: {e.strerror or type(e).__name__}"
+    return None
 
 
 def join(address: str | None) -> None:
@@ -21,6 +37,12 @@ def join(address: str | None) -> None:
     ray = require_ray()
     if ray.is_initialized():
         return
+    why = None if address is None else unreachable(address)
+    if why is not None:  # Ray itself would retry for minutes before it gives up
+        raise errors.ConfigError(
+            f"ray_address={address!r} (--ray-address) cannot be reached ({why}): start the cluster there (ray start "
+            "--head) or give its address; without --ray-address a local instance starts"
+        )
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError) as e:

@@ -309,3 +309,32 @@ def test_recorded_rounds_replay_as_the_mean_of_their_payloads_at_w_t():
     assert sim.plan.mode == "sync" and (sim.metrics["staleness"] == 0).all()
     with pytest.raises(ConfigError, match="holds only 4 rounds"):
         asgd_jax.Plan(model, num_updates=5)
+
+
+def test_a_ray_address_where_nothing_listens_fails_at_once_naming_it(monkeypatch):
+    """#34 item 10: Ray retries an address where nothing listens for minutes; the probe refuses it first."""
+    import socket
+
+    from asgd_jax import ray_cluster
+
+    class NoRay:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            pytest.fail(f"ray.init was called with {kwargs}")
+
+    monkeypatch.setattr(ray_cluster, "require_ray", NoRay)
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(
+            ConfigError, match=rf"ray_address='{address}' \(--ray-address\) cannot be reached.*ray start"
+        ):
+            ray_cluster.join(address)
+    with socket.socket() as listening:  # something answers: the probe lets Ray take over
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert ray_cluster.unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
+    assert ray_cluster.unreachable("auto") is None
