@@ -130,7 +130,7 @@ def split(model: Any) -> tuple[Structure, list[jax.Array]]:
       >>> a, numbers = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=2.0))
       >>> b, _ = asgd_jax.delays.split(asgd_jax.delays.Workers(4, mean_compute_time=3.0))
       >>> a == b, len(numbers)  # all but straggler_prob and noise, whose zeros switch draws off: structure
-      (True, 6)
+      (True, 7)
       >>> split(asgd_jax.delays.Workers(4, speeds=[1.0, 2.0, 1.0, 0.5]))[0] == a  # a uniform cluster: speeds 1
       True
     """
@@ -152,7 +152,7 @@ def _as_compiled(model: Any) -> Any:
     times are the same bit for bit (a time divided by 1, or plus 0, is itself; the draws compute in float32). So does
     the cluster a Ringmaster, Rennala or m-Synchronous model holds. A zero that switches a draw off stays structure."""
     if isinstance(model, Workers):
-        changes = {"speeds": np.ones(model.num, np.float32)} if model.speeds is None else {}
+        changes = {k: np.ones(model.num, np.float32) for k in ("speeds", "times") if getattr(model, k) is None}
         for field in dataclasses.fields(model):
             value = getattr(model, field.name)
             if field.name == "num" or isinstance(value, bool) or not isinstance(value, int | float):
@@ -178,11 +178,16 @@ def sqrt_times(num: int) -> np.ndarray:
     return 1.0 + np.sqrt(np.arange(1, num + 1, dtype=np.float64))
 
 
-def _per_worker(name: str, value: Any, num: int) -> Any:
-    """A number, or one per worker (``[num]``), finite and >= 0; kept as given when it is a scalar (a literal 0 is
-    structure: no draw), made one float32 array (one leaf) when it is a list."""
-    if not _is_concrete(value) or (isinstance(value, int | float) and not isinstance(value, bool)):
-        _check_array(name, value, lambda v: v >= 0, ">= 0")
+def _per_worker(name: str, value: Any, num: int, positive: bool = False) -> Any:
+    """A number, or one per worker (``[num]``), finite and >= 0 (``positive``: > 0); kept as given when it is a scalar
+    (a literal 0 is structure: no draw), made one float32 array (one leaf) when it is a list."""
+    ok, expected = (lambda v: v > 0, "> 0") if positive else (lambda v: v >= 0, ">= 0")
+    if (
+        not _is_concrete(value)
+        or (isinstance(value, int | float) and not isinstance(value, bool))
+        or np.ndim(value) == 0
+    ):
+        _check_array(name, value, ok, expected)
         return value
     try:
         if isinstance(value, bool | str | bytes):
@@ -190,8 +195,8 @@ def _per_worker(name: str, value: Any, num: int) -> Any:
         array = np.asarray(value, np.float32)
     except (TypeError, ValueError):
         array = np.asarray(np.nan, np.float32)
-    if array.ndim > 1 or (array.ndim == 1 and array.shape != (num,)) or not np.all(np.isfinite(array) & (array >= 0)):
-        raise errors.ConfigError(f"{name}={value!r} is invalid: give one number >= 0, or {num} (one per worker).")
+    if array.ndim > 1 or (array.ndim == 1 and array.shape != (num,)) or not np.all(np.isfinite(array) & ok(array)):
+        raise errors.ConfigError(f"{name}={value!r} is invalid: give one number {expected}, or {num} (one per worker).")
     return array if isinstance(value, np.ndarray | list | tuple) else value
 
 
@@ -276,7 +281,8 @@ class Workers(_Counted):
     ``"pareto"``: heavy-tailed with mean 1 and tail index ``alpha``), times ``straggler_slowdown`` with probability
     ``straggler_prob``, plus a half-normal ``|N(0, noise[w]^2)|`` (a new draw per minibatch); each exchange adds
     ``comm_time``. Fixed per-worker times: :meth:`with_times` (``Workers.with_times(sqrt_times(M), noise=...)`` is
-    the optimal-time papers' cluster, times 1 + sqrt(i)). The next push comes
+    the optimal-time papers' cluster, times 1 + sqrt(i)), kept exactly as given (``times``, not speeds ``1 / t``: a
+    float32 ``1 / (1 / t)`` is one ulp off t for 178 of the integers 1..1000). The next push comes
     from the worker that finishes first (ties go to the lower id); after pushing it pulls the fresh weights.
 
     Args:
@@ -290,6 +296,8 @@ class Workers(_Counted):
       comm_time: time of one push + pull (>= 0).
       alpha: the Pareto tail index (> 1; the variance is finite only above 2).
       noise: the scale of the additive half-normal noise per minibatch (>= 0): one number, or one per worker.
+      times: optional per-worker time factors, shape ``[num]`` (> 0): worker w's minibatch takes
+        ``mean_compute_time * times[w] / speeds[w]`` times the draw; :meth:`with_times` sets them.
 
     Example:
       >>> import asgd_jax
@@ -307,6 +315,7 @@ class Workers(_Counted):
     comm_time: Any = 0.0
     alpha: Any = 3.0
     noise: Any = 0.0
+    times: Any = None
 
     def __post_init__(self):
         _check_int("num", self.num, 1)
@@ -321,6 +330,10 @@ class Workers(_Counted):
         _check_array("comm_time", self.comm_time, lambda v: v >= 0, ">= 0")
         _check_array("alpha", self.alpha, lambda v: v > 1, "> 1 (a Pareto law with a finite mean)")
         object.__setattr__(self, "noise", _per_worker("noise", self.noise, self.num))
+        if self.times is not None:
+            times = _per_worker("times", self.times, self.num, positive=True)
+            errors.require(np.ndim(times) == 1, "times", self.times, f"give {self.num} positive times, one per worker")
+            object.__setattr__(self, "times", times)
         if self.speeds is not None and _is_concrete(self.speeds):
             try:
                 if any(isinstance(v, bool | np.bool_ | str | bytes) for v in np.ravel(np.asarray(self.speeds, object))):
@@ -348,7 +361,7 @@ class Workers(_Counted):
         if times_.ndim != 1 or times_.size == 0 or not np.all(np.isfinite(times_) & (times_ > 0)):
             raise errors.ConfigError(f"times={times!r} is invalid: give a 1-D list of positive finite times.")
         kwargs.setdefault("compute_time", "constant")
-        return cls(int(times_.size), speeds=(1.0 / times_).astype(np.float32), **kwargs)
+        return cls(int(times_.size), times=times_.astype(np.float32), **kwargs)
 
     @property
     def num_slots(self) -> int:
@@ -381,6 +394,11 @@ class Workers(_Counted):
             speeds = speeds[worker] if worker is not None else speeds.reshape((1,) * (len(shape) - 1) + (self.num,))
             base = base / speeds
         base = base * jnp.asarray(self.mean_compute_time, jnp.float32)
+        if self.times is not None:  # after the mean: a time t of with_times is 1 * 1 * t, t exactly
+            times = jnp.asarray(self.times, jnp.float32)
+            base = base * (
+                times[worker] if worker is not None else times.reshape((1,) * (len(shape) - 1) + (self.num,))
+            )
         if not (isinstance(self.noise, int | float) and self.noise == 0):
             noise = jnp.asarray(self.noise, jnp.float32)
             if noise.ndim:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,6 +45,30 @@ def test_stragglers_and_speeds_shift_the_pushes():
     result = simulate_lsq(asgd_jax.asgd(0.01), straggly, num_updates=400, batch_size=4)
     assert result.metrics["staleness"].max() > 10
     assert result.metrics["time"][-1] > 400 / 4 * 1.5  # slowed down overall
+
+
+def test_fixed_times_are_exact_and_ties_go_to_the_lower_id():
+    """``with_times`` keeps every time as given: each integer 1..1000 comes back exactly (kept as a speed 1 / t, 178 of
+    them were one ulp off), so with times 1 and k worker 0 pushes at 1, 2, ..., k and worker 1 ties at k, after it."""
+    ks = np.arange(1, 1001)
+    np.testing.assert_array_equal(delays.Workers.with_times(ks).draw(jax.random.key(0)), ks)
+    np.testing.assert_array_equal(delays.Workers.with_times(ks).work_time(jax.random.key(0), 3), 3 * ks)
+
+    def events(k):  # the first 1,002 pushes of times (1, k), k traced: one program for every k
+        law = delays.Workers(2, compute_time="constant", times=jnp.stack([jnp.float32(1), k]))
+        step = lambda finish, t: law.next(finish, t, jax.random.key(0))
+        _, e = jax.lax.scan(step, law.init(jax.random.key(0)), jnp.arange(1002))
+        return e.push_slot, e.time
+
+    workers, times = np.asarray(jax.jit(jax.vmap(events))(ks.astype(np.float32)))
+    rows = np.arange(1000)
+    np.testing.assert_array_equal(times[rows, ks - 1], ks)  # worker 0's k-th push, at k
+    np.testing.assert_array_equal(workers[rows, ks - 1], 0)
+    np.testing.assert_array_equal(times[rows, ks], ks)  # worker 1's first, at the same k, after it
+    np.testing.assert_array_equal(workers[rows, ks], 1)
+    np.testing.assert_array_equal(workers[rows, ks + 1], 0)
+    ones = delays.Workers(4, compute_time="constant", mean_compute_time=2.0)
+    assert delays.split(delays.Workers.with_times([2.0] * 4))[0] == delays.split(ones)[0]  # the same programs
 
 
 def test_trace_loads_a_trainer_jsonl(tmp_path):
