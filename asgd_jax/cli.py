@@ -675,18 +675,22 @@ def _run_study(args: argparse.Namespace) -> int:
         from asgd_jax import writers
 
         writers.TensorBoard.check()  # the extra is there, before the study runs
-    result = studies.run(
-        study,
-        quick=args.quick,
-        progress=not args.no_progress,
-        settings=settings,
-        out=out,
-        resume=args.resume,
-        backend=args.backend,
-        ray_address=args.ray_address,
-        runs_per_task=args.runs_per_task,
-    )
-    paths = studies.save(result, out, tensorboard=args.tensorboard)
+    try:
+        result = studies.run(
+            study,
+            quick=args.quick,
+            progress=not args.no_progress,
+            settings=settings,
+            out=out,
+            resume=args.resume,
+            backend=args.backend,
+            ray_address=args.ray_address,
+            runs_per_task=args.runs_per_task,
+        )
+        paths = studies.save(result, out, tensorboard=args.tensorboard)
+    except errors.RunStopped as e:  # a full disk: what is kept and how to finish, in one line
+        print(f"asgd-jax: {e}.", file=sys.stderr)
+        return 1
     print(f"\n{studies.format_table(study, result.runs, len(settings.seeds))}\n\n({result.seconds:.0f} s)")
     print("Wrote " + ", ".join(paths.values()))
     return 0

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ __all__ = [
     "output_folder",
     "positive_int",
     "require",
+    "write_failure",
 ]
 
 
@@ -42,8 +44,9 @@ class ConfigError(ValueError):
 
 
 class RunStopped(RuntimeError):
-    """A training run stopped before its end for a reason it states (diverged, a full disk, a dead worker under
-    ``on_worker_failure='stop'``); what could be saved (the last good checkpoint, ``summary.json``) is on disk."""
+    """A training run or a study stopped before its end for a reason it states (diverged, a full disk, a dead worker
+    under ``on_worker_failure='stop'``); what could be saved (the last good checkpoint, ``summary.json``, a study's
+    finished arms) is on disk, and the message says where."""
 
 
 class MissingDependency(ConfigError, ImportError):
@@ -113,3 +116,19 @@ def output_folder(name: str, path: Any, flag: str | None = None) -> str:
     except OSError as e:
         raise ConfigError(f"{name}={path!r}{where} cannot be written ({e.strerror}): choose another folder.") from None
     return path
+
+
+def write_failure(error: OSError) -> str:
+    """What a failed write means to a user: ``"the disk is full"`` (no space or quota left) or ``"a write failed
+    (<reason>)"``.
+
+    Example:
+      >>> import errno
+      >>> from asgd_jax import errors
+      >>> errors.write_failure(OSError(errno.ENOSPC, "No space left on device"))
+      'the disk is full (No space left on device)'
+    """
+    reason = error.strerror or str(error) or type(error).__name__
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full ({reason})"
+    return f"a write failed ({reason})"

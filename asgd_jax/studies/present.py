@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from asgd_jax import checkpoint as checkpoint_lib
 from asgd_jax import errors
 from asgd_jax import metrics as metrics_lib
 from asgd_jax.studies.language import METRICS, Study
-from asgd_jax.studies.runner import ARMS, StudyResult
+from asgd_jax.studies.runner import ARMS, RESULTS, StudyResult, as_json
 
 # --------------------------------------------------------------------------------------------------------------------
 # Tables, plots, files.
@@ -474,8 +475,28 @@ def save(
     """Writes ``results.json``, ``results.csv``, ``table.md`` and the plots into ``folder``: ``"final"`` and
     ``"curves"`` (:func:`plot`: ``final.png``, ``curves_<x>.png``), ``"panels"`` (:func:`plot_panels`:
     ``curves.png``); with ``tensorboard``, every curve as TensorBoard event files in ``folder/tensorboard/<series>``
-    (training error by update, test error at its evaluations; :mod:`asgd_jax.writers`)."""
+    (training error by update, test error at its evaluations; :mod:`asgd_jax.writers`). A write
+    that fails (a full disk) raises :class:`~asgd_jax.errors.RunStopped`; a study's finished arms in ``folder``
+    (``run(out=folder)``) are cleared only once everything is written, so that a resume writes the results again."""
     folder = os.fspath(folder)
+    try:
+        paths = _write_results(result, folder, plots, tensorboard)
+    except OSError as e:
+        arms = os.path.join(folder, ARMS)
+        then = (
+            f"the study's finished arms are kept in {arms}: free some space, then run the same study again with "
+            "resume=True (--resume) to write its results"
+            if os.path.isfile(os.path.join(arms, "study.json"))
+            else "free some space and save the results again"
+        )
+        raise errors.RunStopped(
+            f"{errors.write_failure(e)}: the results could not be written into {folder}; {then}"
+        ) from e
+    shutil.rmtree(os.path.join(folder, ARMS), ignore_errors=True)  # finished: nothing left to resume
+    return paths
+
+
+def _write_results(result: StudyResult, folder: str, plots: tuple[str, ...], tensorboard: bool) -> dict[str, str]:
     os.makedirs(folder, exist_ok=True)
     study, s = result.study, result.settings
     table = format_table(study, result.runs, len(s.seeds))
@@ -491,12 +512,12 @@ def save(
         "table": table,
     }
     paths = {
-        "json": os.path.join(folder, "results.json"),
+        "json": os.path.join(folder, RESULTS),
         "csv": os.path.join(folder, "results.csv"),
         "table": os.path.join(folder, "table.md"),
     }
-    with open(paths["json"], "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+    # Atomically (a full disk leaves the results.json before whole), as a resume compares it (runner.check_replace).
+    checkpoint_lib.write_json(paths["json"], as_json(payload))
     keys = list(dict.fromkeys(k for r in result.runs for k in r))
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
@@ -511,7 +532,6 @@ def save(
         paths["plot"] = plot_panels(result, os.path.join(folder, "curves.png"))
     if tensorboard:
         paths["tensorboard"] = _write_tensorboard(result.curves, os.path.join(folder, "tensorboard"))
-    shutil.rmtree(os.path.join(folder, ARMS), ignore_errors=True)  # finished: nothing left to resume
     return paths
 
 
@@ -535,7 +555,7 @@ def _write_tensorboard(curves: dict[str, dict[str, Any]], folder: str) -> str:
 def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, header: str = "") -> str:
     """Turns a results folder (one study, or subfolders of several) into ``report.md`` with tables and plots."""
     folder = pathlib.Path(folder)
-    found = sorted(folder.rglob("results.json"))
+    found = sorted(folder.rglob(RESULTS))
     if not found:
         raise errors.ConfigError(
             f"no results.json under {folder}: run `asgd-jax run <study> --out {folder}/<study>` first."

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -338,7 +339,7 @@ def run(
     if not arms:
         raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
     kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume)
-    found = {} if kept is None else kept.found()
+    found = {} if kept is None else kept.found(arms, s.seeds)
     if found:
         log.info("resuming %s: %d of %d arms done in %s", study.name, len(found), len(arms), out)
     runs: list[dict[str, Any]] = []
@@ -547,69 +548,178 @@ def _run_on_ray(study, s, quick, arms, found, kept, progress, address, done, run
     return results
 
 
+def as_json(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples as lists, other objects as their text without a memory address, which
+    changes from one process to the next): how a study's settings and arms are saved and compared."""
+    return json.loads(json.dumps(value, default=lambda o: re.sub(r" at 0x[0-9a-fA-F]+", "", str(o))))
+
+
+def arm_identity(arm: Arm) -> dict[str, Any]:
+    """Everything that decides an arm's runs (its coordinates, plan, variants and options) and its label, as JSON: what
+    an arm file and a manifest say of the arm they hold."""
+    return as_json({"description": arm.description, **dataclasses.asdict(arm)})
+
+
 def _manifest(study: Study, s: Settings, quick: bool, arms: list[Arm]) -> dict[str, Any]:
     """What a folder's finished arms were run with, as JSON reads it back: a resume must match it."""
-    manifest = {
-        "study": study.name,
-        "quick": quick,
-        "settings": dataclasses.asdict(s),
-        "arms": [{**arm.coords, "description": arm.description} for arm in arms],
-    }
-    return json.loads(json.dumps(manifest, default=str))
+    return as_json(
+        {
+            "study": study.name,
+            "quick": quick,
+            "settings": dataclasses.asdict(s),
+            "arms": [arm_identity(arm) for arm in arms],
+        }
+    )
+
+
+RESULTS = "results.json"  # a finished study's results, in its output folder (what :func:`save` writes)
+
+
+def _some(differences: list[str], most: int = 3) -> str:
+    """The first ``most`` differences, each cut to a readable length, for a one-line message."""
+    cut = [d if len(d) <= 120 else d[:117] + "..." for d in differences[:most]]
+    return "; ".join(cut) + (f"; and {len(differences) - most} more" if len(differences) > most else "")
 
 
 class _ArmStore:
-    """A study's finished arms in ``<out>/arms``: a manifest, then one JSON file per arm as it finishes."""
+    """A study's finished arms in ``<out>/arms``: a manifest, then one JSON file per arm as it finishes, each saying
+    which study, form, settings and arm it holds (checked on a resume, with the shape of its runs and curves)."""
 
     def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool):
-        self.folder = os.path.join(errors.output_folder("out", out, "--out"), ARMS)
+        out = errors.output_folder("out", out, "--out")
+        self.folder, self.manifest = os.path.join(out, ARMS), manifest
         path = os.path.join(self.folder, "study.json")
-        if os.path.exists(path):
-            saved = checkpoint_lib.read_json(path)
-            done = len([f for f in os.listdir(self.folder) if f[:-5].isdigit()])
-            if not resume:
-                raise errors.ConfigError(
-                    f"{out} holds an unfinished run of study {saved.get('study')!r} ({done} of "
-                    f"{len(saved.get('arms', []))} arms done): pass resume=True (--resume) to finish it, or choose "
-                    "another output folder."
-                )
-            differ = sorted(_differences(saved, manifest))
-            errors.require(
-                not differ,
-                "resume",
-                True,
-                f"{out}'s arms were run with other settings ({'; '.join(differ[:4])}): use the same study, form and "
-                "settings, or another output folder",
-                "--resume",
+        if not os.path.exists(path):
+            self._write(path, manifest, "no arm has run yet: free some space and run the study again")
+            return
+        saved = checkpoint_lib.read_json(path)
+        if not isinstance(saved, dict) or not isinstance(saved.get("arms"), list):
+            raise errors.ConfigError(
+                f"{path} is not a study's manifest: choose another output folder, or delete {self.folder} to start "
+                "the study afresh there."
             )
-        else:
-            os.makedirs(self.folder, exist_ok=True)
-            checkpoint_lib.write_json(path, manifest)
-        self.manifest = manifest
+        if not resume:
+            raise errors.ConfigError(
+                f"{out} holds an unfinished run of study {saved.get('study')!r} ({len(self._numbered())} of "
+                f"{len(saved['arms'])} arms done): pass resume=True (--resume) to finish it, or choose another output "
+                "folder."
+            )
+        differ = _differences(saved, manifest)
+        errors.require(
+            not differ,
+            "resume",
+            True,
+            f"{out}'s arms were run with other settings ({_some(differ, 4)}): use the same study, form and "
+            "settings, or another output folder",
+            "--resume",
+        )
 
-    def found(self) -> dict[int, tuple[list[dict[str, Any]], dict[str, Any]]]:
-        """The arms finished before, by index: their runs and curves."""
+    def _numbered(self) -> list[str]:
+        return [f for f in os.listdir(self.folder) if f.endswith(".json") and f[:-5].isdigit()]
+
+    def header(self, i: int) -> dict[str, Any]:
+        """What arm file ``i`` says it holds: the study, its form and settings, the arm's index and identity."""
+        m = self.manifest
+        return {"study": m["study"], "quick": m["quick"], "index": i, "arm": m["arms"][i], "settings": m["settings"]}
+
+    def found(self, arms: list[Arm], seeds: tuple[int, ...]) -> dict[int, tuple[list[dict[str, Any]], dict[str, Any]]]:
+        """The arms finished before, by index: their runs and curves, each file checked against the arm it must
+        hold (a ``ConfigError`` naming the file and the fix where it does not)."""
         out = {}
-        for i in range(len(self.manifest["arms"])):
+        for i, arm in enumerate(arms):
             path = os.path.join(self.folder, f"{i}.json")
             if os.path.exists(path):
-                saved = checkpoint_lib.read_json(path)
-                out[i] = (saved["runs"], saved["curves"])
+                out[i] = self._read(path, i, arm, seeds)
         return out
 
+    def _read(self, path: str, i: int, arm: Arm, seeds: tuple[int, ...]) -> tuple[list[dict], dict[str, Any]]:
+        fix = f"delete it to run arm {i} ({arm.description}) again"
+        try:
+            saved = checkpoint_lib.read_json(path)
+        except errors.ConfigError as e:  # missing, unreadable or cut short
+            raise errors.ConfigError(f"{str(e).rstrip('.')}: {fix}.") from None
+        expected = self.header(i)
+        missing = [k for k in (*expected, "runs", "curves") if not isinstance(saved, dict) or k not in saved]
+        if missing:
+            raise errors.ConfigError(f"{path} is not a study's arm file (it lacks {', '.join(missing)}): {fix}.")
+        differ = [d for k, v in expected.items() for d in _differences(saved[k], v, k, "in the file", "here")]
+        if differ:
+            raise errors.ConfigError(f"{path} holds other runs than arm {i} of this study ({_some(differ)}): {fix}.")
+        problem = arm_file_problem(saved["runs"], saved["curves"], arm, seeds)
+        if problem:
+            raise errors.ConfigError(f"{path} is not a whole arm file ({problem}): {fix}.")
+        return saved["runs"], saved["curves"]
+
     def keep(self, i: int, runs: list[dict[str, Any]], curves: dict[str, Any]) -> None:
-        checkpoint_lib.write_json(os.path.join(self.folder, f"{i}.json"), {"runs": runs, "curves": curves})
+        """Writes arm ``i``'s file; a full disk stops the study (:class:`~asgd_jax.errors.RunStopped`), the arms
+        finished before kept."""
+        self._write(os.path.join(self.folder, f"{i}.json"), {**self.header(i), "runs": runs, "curves": curves})
+
+    def _write(self, path: str, value: Any, then: str | None = None) -> None:
+        try:
+            checkpoint_lib.write_json(path, value)
+        except OSError as e:
+            then = then or (
+                f"the {len(self._numbered())} finished arm(s) of {len(self.manifest['arms'])} are kept in "
+                f"{self.folder}: free some space, then run the same study again with resume=True (--resume) to "
+                "finish it"
+            )
+            raise errors.RunStopped(f"{errors.write_failure(e)}: {path} could not be written; {then}") from e
 
 
-def _differences(saved: Any, now: Any, where: str = "") -> list[str]:
-    """Where two JSON values differ, as ``path: saved -> now`` lines."""
+RUN_NUMBERS = ("test_error", "train_error", "time_to_target", "virtual_time", "mean_staleness")
+RUN_COUNTS = ("seed", "max_staleness", "updates")
+CURVE_SERIES = ("update", "epoch", "time", "train_error", "eval_epoch", "test_error")
+
+
+def arm_file_problem(runs: Any, curves: Any, arm: Arm, seeds: tuple[int, ...]) -> str | None:
+    """What is wrong with an arm file's runs and curves for ``arm`` run with ``seeds`` (None: nothing): one run per
+    variant and seed, each with the arm's labels, coordinates and numbers; one curve per series, each a set of lists."""
+    count = len(arm.variants) * len(seeds)
+    if not isinstance(runs, list) or len(runs) != count:
+        return f"runs: {count} expected, {len(runs) if isinstance(runs, list) else type(runs).__name__} found"
+    labels = {arm.label(v) for v in arm.variants}
+    own = {k for v in arm.variants for k in v.coords} | {"lr", "label"}  # a variant's own coordinates win
+    coords = as_json({k: v for k, v in arm.coords.items() if k not in own})
+    number = (int, float)
+    for j, r in enumerate(runs):
+        if not isinstance(r, dict):
+            return f"run {j} is a {type(r).__name__}"
+        if r.get("label") not in labels or r.get("seed") not in seeds:
+            return f"run {j} is {r.get('label')!r} seed {r.get('seed')!r}, not one of this arm's"
+        if any(r.get(k) != v for k, v in coords.items()):
+            return f"run {j} has other coordinates than the arm's {coords}"
+        bad = [k for k in RUN_NUMBERS if type(r.get(k)) not in number] + [
+            k for k in RUN_COUNTS if type(r.get(k)) is not int
+        ]
+        if bad:
+            return f"run {j} has no number for {', '.join(bad)}"
+    if not isinstance(curves, dict) or not curves:
+        return f"curves: a table of series expected, {type(curves).__name__} found"
+    for name, c in curves.items():
+        if not isinstance(c, dict) or not isinstance(c.get("coords"), dict):
+            return f"curve {name!r} is not a series"
+        bad = [k for k in CURVE_SERIES if not isinstance(c.get(k), list)]
+        if bad:
+            return f"curve {name!r} has no list for {', '.join(bad)}"
+    return None
+
+
+def _differences(saved: Any, now: Any, where: str = "", then: str = "then", here: str = "now") -> list[str]:
+    """Where two JSON values differ, as ``path: saved <then>, now <here>`` lines."""
     if isinstance(saved, dict) and isinstance(now, dict):
         return [
-            d for k in sorted(set(saved) | set(now)) for d in _differences(saved.get(k), now.get(k), f"{where}.{k}")
+            d
+            for k in sorted(set(saved) | set(now))
+            for d in _differences(saved.get(k), now.get(k), f"{where}.{k}", then, here)
         ]
     if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
-        return [d for i, (a, b) in enumerate(zip(saved, now, strict=True)) for d in _differences(a, b, f"{where}[{i}]")]
-    return [] if saved == now else [f"{where.lstrip('.')}: {saved!r} then, {now!r} now"]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(saved, now, strict=True))
+            for d in _differences(a, b, f"{where}[{i}]", then, here)
+        ]
+    return [] if saved == now else [f"{where.lstrip('.')}: {saved!r} {then}, {now!r} {here}"]
 
 
 def ablate(*, quick: bool = False, progress: bool = True, **overrides: Any) -> StudyResult:
