@@ -612,6 +612,11 @@ def _add_run(sub) -> None:
     p.add_argument("--epochs", type=float, default=None, help="effective epochs per run [the form's]")
     p.add_argument("--tensorboard", action="store_true", help="also write every curve as TensorBoard event files")
     p.add_argument("--resume", action="store_true", help="finish a study killed midway: run only the missing arms")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what --out holds: another study's (or other settings') results, or an unfinished run",
+    )
     p.add_argument("--backend", default="local", choices=("local", "ray"), help="ray: each arm a task on a cluster")
     p.add_argument("--ray-address", default=None, help="the Ray cluster to join ('auto': the local `ray start`)")
     p.add_argument(
@@ -635,6 +640,7 @@ def _add_run(sub) -> None:
     )
     r.add_argument("dir", help="a results folder (one study, or a folder of study folders)")
     r.add_argument("--out", default=None, help="report path [DIR/report.md]")
+    r.add_argument("--overwrite", action="store_true", help="replace a file at --out that is not a report")
     r.set_defaults(func=_report)
 
 
@@ -686,6 +692,7 @@ def _run_study(args: argparse.Namespace) -> int:
             backend=args.backend,
             ray_address=args.ray_address,
             runs_per_task=args.runs_per_task,
+            overwrite=args.overwrite,
         )
         paths = studies.save(result, out, tensorboard=args.tensorboard)
     except errors.RunStopped as e:  # a full disk: what is kept and how to finish, in one line
@@ -715,7 +722,7 @@ def _report(args: argparse.Namespace) -> int:
         f"Generated {datetime.date.today()} at commit {commit} on {platform.machine()} "
         f"({jax.devices()[0].platform}, jax {jax.__version__})."
     )
-    print(f"Wrote {studies.report(args.dir, args.out, header=header)}")
+    print(f"Wrote {studies.report(args.dir, args.out, header=header, overwrite=args.overwrite)}")
     return 0
 
 

@@ -1,8 +1,9 @@
-"""No file a study writes is trusted without checking what it holds.
+"""No file a study writes is trusted without checking what it holds, and none it did not make is overwritten.
 
 A resume checks every arm file against the arm it must hold (study, form, settings, arm, and the shape of its runs
 and curves) and refuses a wrong one in one line naming the file and the fix; a full disk, injected, stops the study in
-one line with its finished arms kept, and a resume then gives the same tables.
+one line with its finished arms kept, and a resume then gives the same tables; ``run`` and ``report`` refuse to
+replace results they did not make unless told ``--overwrite``.
 
 The refusal of a wrong arm file (rather than running the arm again in its place) is deliberate: a file that holds
 another arm's runs is a folder mixed up by hand, and the user decides; deleting the file (the fix each message gives)
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 from asgd_jax import checkpoint, studies
 from asgd_jax.cli import main
-from asgd_jax.errors import RunStopped
+from asgd_jax.errors import ConfigError, RunStopped
 from asgd_jax.studies import runner
 
 STUDY_FILE = """
@@ -194,7 +195,7 @@ def test_a_study_manifest_of_the_wrong_shape_is_refused_naming_it(two_arms_done,
     shutil.copytree(two_arms_done, out)
     (out / "arms" / "study.json").write_text('["not", "a", "manifest"]')
     assert main(_argv(study_file, out, "--resume")) == 2
-    _one_line(capsys, f"{out / 'arms' / 'study.json'} is not a study's manifest", "start the study afresh")
+    _one_line(capsys, f"{out / 'arms' / 'study.json'} is not a study's manifest", "--overwrite")
 
 
 _JSON = st.recursive(
@@ -301,3 +302,78 @@ def test_a_write_that_fails_for_another_reason_says_so(whole, tmp_path, monkeypa
     monkeypatch.setattr(checkpoint, "write_json", read_only)
     with pytest.raises(RunStopped, match=r"^a write failed \(Read-only file system\)"):
         studies.save(whole, tmp_path / "out", plots=())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Results a command did not make are not replaced unless the user says so
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def finished(whole, tmp_path) -> pathlib.Path:
+    """A folder holding the finished study's results."""
+    out = tmp_path / "finished"
+    studies.save(whole, out, plots=())
+    return out
+
+
+def test_report_never_writes_over_the_results_it_reads(finished, tmp_path, capsys):
+    before = (finished / "results.json").read_bytes()
+    for flags in ([], ["--overwrite"]):
+        assert main(["report", str(finished), "--out", str(finished / "results.json"), *flags]) == 2
+        _one_line(capsys, "is a study's results that the report reads: give another --out")
+    assert (finished / "results.json").read_bytes() == before
+
+
+def test_report_replaces_its_own_report_but_another_file_only_when_told(finished, tmp_path, capsys):
+    assert main(["report", str(finished)]) == 0
+    assert main(["report", str(finished)]) == 0  # its own report: replaced
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes")
+    assert main(["report", str(finished), "--out", str(notes)]) == 2
+    _one_line(capsys, f"out={str(notes)!r} (--out) exists and is not a report of asgd-jax", "--overwrite")
+    assert notes.read_text() == "my notes"
+    assert main(["report", str(finished), "--out", str(notes), "--overwrite"]) == 0
+    assert notes.read_text().startswith("# asgd_jax reproduction report")
+    assert main(["report", str(finished), "--out", str(tmp_path)]) == 2
+    _one_line(capsys, "(--out) is a folder: give the report's file")
+
+
+def test_run_into_a_folder_holding_another_studys_results_is_refused_before_any_work(finished, monkeypatch, capsys):
+    before = (finished / "results.json").read_bytes()
+    monkeypatch.setattr(runner, "prepare_sweep", _never)
+    assert main(["run", "dcasgd_lambda_sweep", "--quick", "--no-progress", "--out", str(finished)]) == 2
+    _one_line(capsys, f"{finished} holds the results of study 'tiny_files' (quick form)", "--overwrite")
+    assert (finished / "results.json").read_bytes() == before
+    with pytest.raises(Stop):  # told: it starts the work
+        main(["run", "dcasgd_lambda_sweep", "--quick", "--no-progress", "--out", str(finished), "--overwrite"])
+
+
+def test_run_with_other_settings_is_refused_and_the_same_settings_replace_their_own(
+    finished, study_file, monkeypatch, capsys
+):
+    monkeypatch.setattr(runner, "prepare_sweep", _never)
+    assert main([*_argv(study_file, finished), "--epochs", "0.5"]) == 2
+    _one_line(capsys, "run with other settings (settings.epochs: 0.3 there, 0.5 now)", "--overwrite")
+    with pytest.raises(Stop):  # the same study and settings: a rerun replaces its own results
+        main(_argv(study_file, finished))
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", '{"study": "x"}'])
+def test_a_results_json_that_is_no_studys_is_not_replaced_either(tmp_path, study_file, content):
+    (tmp_path / "results.json").write_text(content)
+    study = studies.load(str(study_file))
+    with pytest.raises(ConfigError, match=r"results.json exists and is not a study's results: give another"):
+        studies.run(study, quick=True, progress=False, out=tmp_path)
+    assert (tmp_path / "results.json").read_text() == content
+
+
+def test_overwrite_starts_an_unfinished_run_afresh(two_arms_done, study_file, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(two_arms_done, out)
+    monkeypatch.setattr(runner, "prepare_sweep", _never)
+    assert main(_argv(study_file, out)) == 2
+    _one_line(capsys, "holds an unfinished run of study 'tiny_files' (2 of 3 arms done)", "--overwrite")
+    with pytest.raises(Stop):
+        main(_argv(study_file, out, "--overwrite"))
+    assert sorted(p.name for p in (out / "arms").iterdir()) == ["study.json"]  # the old arms are gone

@@ -475,7 +475,8 @@ def save(
     """Writes ``results.json``, ``results.csv``, ``table.md`` and the plots into ``folder``: ``"final"`` and
     ``"curves"`` (:func:`plot`: ``final.png``, ``curves_<x>.png``), ``"panels"`` (:func:`plot_panels`:
     ``curves.png``); with ``tensorboard``, every curve as TensorBoard event files in ``folder/tensorboard/<series>``
-    (training error by update, test error at its evaluations; :mod:`asgd_jax.writers`). A write
+    (training error by update, test error at its evaluations; :mod:`asgd_jax.writers`). It replaces what ``folder``
+    holds (:func:`run` with ``out`` refuses, before its work, a folder holding results it did not make). A write
     that fails (a full disk) raises :class:`~asgd_jax.errors.RunStopped`; a study's finished arms in ``folder``
     (``run(out=folder)``) are cleared only once everything is written, so that a resume writes the results again."""
     folder = os.fspath(folder)
@@ -552,17 +553,24 @@ def _write_tensorboard(curves: dict[str, dict[str, Any]], folder: str) -> str:
     return folder
 
 
-def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, header: str = "") -> str:
-    """Turns a results folder (one study, or subfolders of several) into ``report.md`` with tables and plots."""
+REPORT_TITLE = "# asgd_jax reproduction report"
+
+
+def report(
+    folder: str | os.PathLike, out: str | os.PathLike | None = None, *, header: str = "", overwrite: bool = False
+) -> str:
+    """Turns a results folder (one study, or subfolders of several) into ``report.md`` with tables and plots. It
+    replaces a report of its own at ``out``; any other file there (a study's results, a Markdown file of yours) is
+    refused unless ``overwrite``, and a results file it reads always is."""
     folder = pathlib.Path(folder)
     found = sorted(folder.rglob(RESULTS))
     if not found:
         raise errors.ConfigError(
             f"no results.json under {folder}: run `asgd-jax run <study> --out {folder}/<study>` first."
         )
-    parts = ["# asgd_jax reproduction report", ""] + ([header, ""] if header else [])
+    parts = [REPORT_TITLE, ""] + ([header, ""] if header else [])
     out = pathlib.Path(out) if out is not None else folder / "report.md"
-    errors.output_folder("out", out.parent, "--out")
+    _check_report_path(out, found, overwrite)
     for path in found:
         payload = _read_results(path)
         s = payload["settings"]
@@ -584,6 +592,30 @@ def report(folder: str | os.PathLike, out: str | os.PathLike | None = None, *, h
         parts.append("")
     out.write_text("\n".join(parts))
     return str(out)
+
+
+def _check_report_path(out: pathlib.Path, found: list[pathlib.Path], overwrite: bool) -> None:
+    """``out`` may take the report: not a folder, not one of the results it reads, and either new, a report of
+    :func:`report`'s own, or ``overwrite``; its folder exists or can be made."""
+    if out.is_dir():
+        raise errors.ConfigError(f"out={str(out)!r} (--out) is a folder: give the report's file, e.g. {out}/report.md.")
+    if out.exists() and any(out.samefile(path) for path in found):
+        raise errors.ConfigError(
+            f"out={str(out)!r} (--out) is a study's results that the report reads: give another --out, e.g. "
+            f"{out.parent}/report.md."
+        )
+    if out.exists() and not overwrite:
+        try:
+            with open(out, "rb") as f:
+                ours = f.read(len(REPORT_TITLE.encode())) == REPORT_TITLE.encode()
+        except OSError:
+            ours = False
+        if not ours:
+            raise errors.ConfigError(
+                f"out={str(out)!r} (--out) exists and is not a report of asgd-jax: give another --out, or "
+                "overwrite=True (--overwrite) to replace it."
+            )
+    errors.output_folder("out", out.parent, "--out")
 
 
 # What report() reads of a results.json, and of its settings.

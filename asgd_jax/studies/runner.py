@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -298,6 +299,7 @@ def run(
     backend: str = "local",
     ray_address: str | None = None,
     runs_per_task: int | None = None,
+    overwrite: bool = False,
 ) -> StudyResult:
     """Runs every arm of ``study`` (one :func:`asgd_jax.sweep` each) in one of its forms.
 
@@ -323,6 +325,9 @@ def run(
       runs_per_task: with ``backend="ray"``: an arm of more runs than this is split into tasks of whole seeds (at
         most this many runs each where its variants allow, two or more each), gathered into the arm's results as one
         sweep gives them (a run's numbers do not depend on the other runs of its sweep).
+      overwrite: with ``out``: replace what it holds that this run did not make: the results (``results.json``) of
+        another study, form or settings, or an unfinished run's arms (without ``resume``). Without it, those are
+        refused before any work.
     """
     errors.require(on_arm is None or callable(on_arm), "on_arm", on_arm, "give a function of (arm, runs, curves)")
     errors.choice("backend", backend, BACKENDS, "--backend")
@@ -338,7 +343,7 @@ def run(
     arms = study.arms(s, quick)
     if not arms:
         raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
-    kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume)
+    kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume, overwrite)
     found = {} if kept is None else kept.found(arms, s.seeds)
     if found:
         log.info("resuming %s: %d of %d arms done in %s", study.name, len(found), len(arms), out)
@@ -575,6 +580,32 @@ def _manifest(study: Study, s: Settings, quick: bool, arms: list[Arm]) -> dict[s
 RESULTS = "results.json"  # a finished study's results, in its output folder (what :func:`save` writes)
 
 
+def check_replace(out: str | os.PathLike, study: str, quick: bool, settings: Any, overwrite: bool) -> None:
+    """Refuses (a ``ConfigError``) to write into ``out`` where it holds a ``results.json`` that a run of ``study`` in
+    this form with these ``settings`` (as JSON) did not make, unless ``overwrite``: another study's results, or
+    other settings', or a file that is no study's results. A rerun of the same study and settings replaces its own."""
+    path = os.path.join(os.fspath(out), RESULTS)
+    if overwrite or not os.path.exists(path):
+        return
+    fix = "give another output folder (--out), or overwrite=True (--overwrite) to replace them"
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        saved = None
+    if not isinstance(saved, dict) or not {"study", "quick", "settings"} <= set(saved):
+        raise errors.ConfigError(f"{path} exists and is not a study's results: {fix}.")
+    form = "quick" if saved["quick"] else "full"
+    if saved["study"] != study or saved["quick"] != quick:
+        raise errors.ConfigError(f"{out} holds the results of study {saved['study']!r} ({form} form): {fix}.")
+    differ = _differences(saved["settings"], settings, "settings", "there", "now")
+    if differ:
+        raise errors.ConfigError(
+            f"{out} holds the results of study {study!r} ({form} form) run with other settings "
+            f"({_some(differ)}): {fix}."
+        )
+
+
 def _some(differences: list[str], most: int = 3) -> str:
     """The first ``most`` differences, each cut to a readable length, for a one-line message."""
     cut = [d if len(d) <= 120 else d[:117] + "..." for d in differences[:most]]
@@ -585,24 +616,27 @@ class _ArmStore:
     """A study's finished arms in ``<out>/arms``: a manifest, then one JSON file per arm as it finishes, each saying
     which study, form, settings and arm it holds (checked on a resume, with the shape of its runs and curves)."""
 
-    def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool):
+    def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool, overwrite: bool = False):
         out = errors.output_folder("out", out, "--out")
         self.folder, self.manifest = os.path.join(out, ARMS), manifest
         path = os.path.join(self.folder, "study.json")
+        if os.path.exists(path) and overwrite and not resume:
+            shutil.rmtree(self.folder)  # the user said so: the unfinished run starts afresh
         if not os.path.exists(path):
+            check_replace(out, manifest["study"], manifest["quick"], manifest["settings"], overwrite)
             self._write(path, manifest, "no arm has run yet: free some space and run the study again")
             return
         saved = checkpoint_lib.read_json(path)
         if not isinstance(saved, dict) or not isinstance(saved.get("arms"), list):
             raise errors.ConfigError(
-                f"{path} is not a study's manifest: choose another output folder, or delete {self.folder} to start "
-                "the study afresh there."
+                f"{path} is not a study's manifest: choose another output folder, or overwrite=True (--overwrite) to "
+                "start the study afresh there."
             )
         if not resume:
             raise errors.ConfigError(
                 f"{out} holds an unfinished run of study {saved.get('study')!r} ({len(self._numbered())} of "
-                f"{len(saved['arms'])} arms done): pass resume=True (--resume) to finish it, or choose another output "
-                "folder."
+                f"{len(saved['arms'])} arms done): pass resume=True (--resume) to finish it, choose another output "
+                "folder, or overwrite=True (--overwrite) to start afresh."
             )
         differ = _differences(saved, manifest)
         errors.require(
