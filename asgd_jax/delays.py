@@ -39,6 +39,7 @@ __all__ = [
     "Structure",
     "Trace",
     "Workers",
+    "computation_time",
     "is_delay_model",
     "is_round_model",
     "split",
@@ -738,6 +739,9 @@ class ClusterState(NamedTuple):
       clock: float32: the time of the last update.
       busy: float32: compute time of all workers so far, wasted work included (finished or stopped computations).
       wasted: float32: of ``busy``, the work that changed no weight (ignored gradients, stopped computations).
+      begun: int32 ``[M]``: the computations each worker has begun (restarts after a stop included): the next one
+        takes its worker's time number ``begun[w]`` (:func:`computation_time`).
+      key: the key data of the cluster's times (the ``init`` key).
     """
 
     finish: jax.Array
@@ -747,20 +751,52 @@ class ClusterState(NamedTuple):
     clock: jax.Array
     busy: jax.Array
     wasted: jax.Array
+    begun: jax.Array
+    key: jax.Array
+
+
+def computation_time(workers: Workers, key: jax.Array, worker: jax.Array, count: jax.Array, n_sync: int = 1):
+    """The time of computation number ``count`` (from 0) of ``worker`` in an optimal-time cluster (:class:`Ringmaster`,
+    :class:`Rennala`) begun with ``key``: ``workers.work_time(fold_in(fold_in(key, worker), count), n_sync, worker)``.
+
+    Every worker draws its own sequence of times, one per computation it begins, a restart after a stop included: the
+    papers' model and their authors' simulators draw a computation's time when it starts, so a stopped computation
+    does not keep the (long) time it had drawn, and the c-th computation of a worker takes the c-th time whatever the
+    policy (runs with and without stops share their workers' times).
+
+    Example:
+      >>> import jax, asgd_jax
+      >>> law = asgd_jax.delays.Workers.with_times([2.0, 3.0])
+      >>> float(asgd_jax.delays.computation_time(law, jax.random.key(0), 1, 5))
+      3.0
+    """
+    return workers.work_time(jax.random.fold_in(jax.random.fold_in(key, worker), count), n_sync, worker)
+
+
+def _key_data(key: jax.Array) -> jax.Array:
+    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+def _times(workers: Workers, s: ClusterState, n_sync: int) -> jax.Array:
+    """Every worker's next time (number ``begun[w]``), ``[M]``."""
+    key, ids = jax.random.wrap_key_data(s.key), jnp.arange(workers.num, dtype=jnp.int32)
+    return jax.vmap(lambda w, c: computation_time(workers, key, w, c, n_sync))(ids, s.begun)
 
 
 def _fresh(workers: Workers, key: jax.Array, n_sync: int) -> ClusterState:
     m = workers.num
     zero_f, zero_i = jnp.zeros((m,), jnp.float32), jnp.zeros((m,), jnp.int32)
     scalar = jnp.zeros((), jnp.float32)
-    return ClusterState(workers.work_time(key, n_sync), zero_f, zero_i, zero_i, scalar, scalar, scalar)
+    s = ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar, zero_i, _key_data(key))
+    return s._replace(finish=_times(workers, s, n_sync), begun=zero_i + 1)
 
 
-def _restart(s: ClusterState, w: jax.Array, now: jax.Array, version: jax.Array, work: jax.Array, ignored: Any):
+def _restart(workers: Workers, s: ClusterState, w, now, version, ignored: Any, n_sync: int) -> ClusterState:
     """Worker ``w``'s computation ends at ``now`` (its gradient used, or ``ignored``: a traced or Python bool), and it
-    begins the next one, at ``version``'s weights, taking ``work``. Only worker ``w``'s entries change (O(1) in a
+    begins the next one, at ``version``'s weights, taking its next time. Only worker ``w``'s entries change (O(1) in a
     loop over arrivals)."""
     spent = now - s.began[w]
+    work = computation_time(workers, jax.random.wrap_key_data(s.key), w, s.begun[w], n_sync)
     return s._replace(
         finish=s.finish.at[w].set(now + work),
         began=s.began.at[w].set(now),
@@ -768,20 +804,22 @@ def _restart(s: ClusterState, w: jax.Array, now: jax.Array, version: jax.Array, 
         skips=s.skips.at[w].set(jnp.where(ignored, s.skips[w] + 1, 0)),
         busy=s.busy + spent,
         wasted=s.wasted + jnp.where(ignored, spent, 0.0),
+        begun=s.begun.at[w].add(1),
     )
 
 
-def _stop(s: ClusterState, which: jax.Array, now: jax.Array, version: jax.Array) -> ClusterState:
+def _stop(workers: Workers, s: ClusterState, which: jax.Array, now, version, n_sync: int) -> ClusterState:
     """Stops the computations ``which`` (bool ``[M]``) at ``now``: their work is wasted, and they begin again at
-    ``version``'s weights on the same minibatch (none is used up), which takes as long as it would have: no new draw,
-    so a stop costs O(M) arithmetic and no random numbers."""
+    ``version``'s weights on the same minibatch (none is used up), each taking its worker's next time (a new draw, as
+    any computation that begins)."""
     spent = jnp.where(which, now - s.began, 0.0).sum()
     return s._replace(
-        finish=jnp.where(which, now + (s.finish - s.began), s.finish),
+        finish=jnp.where(which, now + _times(workers, s, n_sync), s.finish),
         began=jnp.where(which, now, s.began),
         start=jnp.where(which, version, s.start),
         busy=s.busy + spent,
         wasted=s.wasted + spent,
+        begun=s.begun + which.astype(jnp.int32),
     )
 
 
@@ -824,7 +862,8 @@ class Ringmaster(_Cluster):
     is below ``threshold`` R is applied (x <- x - lr g with the arm's rule, plain SGD in the paper); otherwise it is
     ignored (its minibatch used, no weight changed, the version not advanced) and the worker restarts at the current
     weights. With ``stops=True`` every arriving gradient is applied and, after each update, a worker whose
-    computation in progress has become R updates stale is stopped and restarted at the current weights.
+    computation in progress has become R updates stale is stopped and restarted at the current weights. Every
+    computation, a restart included, takes its worker's next time (:func:`computation_time`).
 
     The server keeps a ring of R weight versions (no backup per worker: M = 1,000 workers cost R copies of the
     weights), so R is static; the paper's hyperparameters are the step size and R (its quadratic script: R = 6).
@@ -854,6 +893,7 @@ class Ringmaster(_Cluster):
         return self.threshold
 
     def next(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        del key  # the workers' times come from the cluster's own key (computation_time), one per computation begun
         law, r = self.workers, self.threshold
 
         def arrival(s):
@@ -862,22 +902,19 @@ class Ringmaster(_Cluster):
 
         if not self.stops:  # ignore (and restart) every arrival as stale as R or more, until one is applied
 
-            def ignored(c):
-                s, _ = c
+            def ignored(s):
                 return t - s.start[arrival(s)[0]] >= r
 
-            def ignore(c):
-                s, j = c
+            def ignore(s):
                 w, now = arrival(s)
-                work = law.work_time(jax.random.fold_in(key, j), n_sync, w)
-                return _restart(s, w, now, t, work, ignored=True), j + 1
+                return _restart(law, s, w, now, t, True, n_sync)
 
-            s, _ = jax.lax.while_loop(ignored, ignore, (s, jnp.ones((), jnp.int32)))
+            s = jax.lax.while_loop(ignored, ignore, s)
         w, now = arrival(s)
         push_slot, skip = s.start[w] % r, s.skips[w]
-        s = _restart(s, w, now, t + 1, law.work_time(key, n_sync, w), ignored=False)
+        s = _restart(law, s, w, now, t + 1, False, n_sync)
         if self.stops:
-            s = _stop(s, (t + 1 - s.start) >= r, now, t + 1)
+            s = _stop(law, s, (t + 1 - s.start) >= r, now, t + 1, n_sync)
         s = s._replace(clock=now)
         event = Event(push_slot, (t + 1) % r, w, now, skip, w, s.busy, s.wasted)
         return s, event
@@ -893,7 +930,8 @@ class Rennala(_Cluster):
     until S have (a fast worker may give several, each on its next minibatch); then one update with their mean. A
     gradient computed at an older iterate is ignored (its minibatch used) and its worker restarts at x^k. With
     ``stops=True`` every worker is stopped at the round's end and restarts at x^{k+1} (the 2026 group code's
-    semantics): then, with fixed times tau_i, a round takes exactly T_S = min{t : sum_i floor(t / tau_i) >= S}.
+    semantics): then, with fixed times tau_i, a round takes exactly T_S = min{t : sum_i floor(t / tau_i) >= S}. Every
+    computation, a restart included, takes its worker's next time (:func:`computation_time`).
 
     Every update is computed at w_t, so the server keeps no backup: one copy of the weights for any M.
 
@@ -922,6 +960,7 @@ class Rennala(_Cluster):
         return self.batch
 
     def round(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        del key  # the workers' times come from the cluster's own key (computation_time), one per computation begun
         law, size = self.workers, self.batch
         shards = jnp.zeros((size,), jnp.int32)
 
@@ -929,21 +968,20 @@ class Rennala(_Cluster):
             return c[1] < size
 
         def arrive(c):
-            s, count, shards, skips, j = c
+            s, count, shards, skips = c
             w = jnp.argmin(s.finish).astype(jnp.int32)
             now, fresh = s.finish[w], s.start[w] == t
             slot = jnp.minimum(count, size - 1)
             shards = shards.at[slot].set(jnp.where(fresh, w, shards[slot]))
             skips = skips.at[slot].set(jnp.where(fresh, s.skips[w], skips[slot]))
-            work = law.work_time(jax.random.fold_in(key, j), n_sync, w)
-            s = _restart(s, w, now, t, work, ignored=~fresh)
-            return s, count + fresh.astype(jnp.int32), shards, skips, j + 1
+            s = _restart(law, s, w, now, t, ~fresh, n_sync)
+            return s, count + fresh.astype(jnp.int32), shards, skips
 
         zero = jnp.zeros((), jnp.int32)
-        s, _, shards, skips, _ = jax.lax.while_loop(collecting, arrive, (s, zero, shards, shards, zero))
+        s, _, shards, skips = jax.lax.while_loop(collecting, arrive, (s, zero, shards, shards))
         now = s.began.max()  # the last arrival: every worker that finished this round began its next one then
         if self.stops:
-            s = _stop(s, jnp.ones((law.num,), bool), now, t + 1)
+            s = _stop(law, s, jnp.ones((law.num,), bool), now, t + 1, n_sync)
         s = s._replace(clock=now)
         return s, Round(shards, skips, now, s.busy, s.wasted)
 
@@ -985,10 +1023,10 @@ class MSync(_Cluster):
 
     def init(self, key: jax.Array, n_sync: int = 1) -> ClusterState:
         """Every round draws its own times: no computation is in progress between rounds (and nothing is drawn)."""
-        del key, n_sync
+        del n_sync
         zero_f, zero_i = jnp.zeros((self.workers.num,), jnp.float32), jnp.zeros((self.workers.num,), jnp.int32)
         scalar = jnp.zeros((), jnp.float32)
-        return ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar)
+        return ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar, zero_i, _key_data(key))
 
     def round(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del t

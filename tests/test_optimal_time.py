@@ -57,6 +57,39 @@ def test_rennala_is_the_papers_algorithm(batch, stops):
     np.testing.assert_array_equal(np.asarray(result.state.data.taken + result.state.delay.skips), taken)
 
 
+_RANDOM = delays.Workers(5, compute_time="lognormal", sigma=1.0, noise=0.3)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [delays.Ringmaster(_RANDOM, 2, stops=True), delays.Rennala(_RANDOM, 3, stops=True), delays.Ringmaster(_RANDOM, 2)],
+    ids=["ringmaster-stops", "rennala-stops", "ringmaster"],
+)
+def test_every_computation_takes_its_workers_next_time_a_restart_included(model):
+    """Under a random law, the c-th computation worker w begins (a restart after a stop included) lasts
+    ``computation_time(law, key, w, c)``: a stopped computation draws anew, it does not keep the time it had drawn."""
+    key = jax.random.key(3)
+    step = jax.jit(model.round if delays.is_round_model(model) else model.next)
+    s = model.init(key)
+    for t in range(60):
+        s, _ = step(s, t, jax.random.key(t))
+        # Every worker's computation in progress is its latest: number begun[w] - 1 of its sequence.
+        drawn = [float(delays.computation_time(_RANDOM, key, w, int(c) - 1)) for w, c in enumerate(s.begun)]
+        np.testing.assert_allclose(np.asarray(s.finish - s.began), drawn, rtol=1e-5, atol=1e-5, err_msg=str(t))
+    used = 60 * (model.batch if delays.is_round_model(model) else 1)
+    assert int(s.begun.sum()) > used + 5  # restarts (stops or ignored gradients) happened
+
+
+def test_with_stops_every_update_waits_for_the_first_of_fresh_draws():
+    """Exponential times, mean 1, M = 4, Ringmaster with stops and R = 1: after each update every other computation is
+    stopped and begins anew, so an update takes the first of four fresh exponential times: 1/4 on average, median
+    ln(2)/4 (the papers' model). A restart that kept its drawn time kept the long ones: 1.0 on average."""
+    ring = simulate_lsq(SGD, delays.Ringmaster(4, 1, stops=True), num_updates=4000, batch_size=1)
+    gaps = np.diff(ring.metrics["time"], prepend=0.0)
+    assert abs(gaps.mean() - 0.25) < 0.02  # the std of the mean: 0.25 / sqrt(4000) = 0.004
+    assert abs(np.median(gaps) - 0.25 * np.log(2)) < 0.02
+
+
 @pytest.mark.parametrize("m", [1, 4])
 def test_m_synchronous_is_the_papers_algorithm(m):
     result = simulate_lsq(SGD, delays.MSync(LAW, m), num_updates=25)
