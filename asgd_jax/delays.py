@@ -928,10 +928,11 @@ class Rennala(_Cluster):
 
     Every worker computes at the current weights x^k; the gradients computed at x^k are collected, as they arrive,
     until S have (a fast worker may give several, each on its next minibatch); then one update with their mean. A
-    gradient computed at an older iterate is ignored (its minibatch used) and its worker restarts at x^k. With
-    ``stops=True`` every worker is stopped at the round's end and restarts at x^{k+1} (the 2026 group code's
-    semantics): then, with fixed times tau_i, a round takes exactly T_S = min{t : sum_i floor(t / tau_i) >= S}. Every
-    computation, a restart included, takes its worker's next time (:func:`computation_time`).
+    worker always begins at the newest iterate (the one whose gradient closes round k begins at x^{k+1}); a gradient
+    computed at an older iterate is ignored (its minibatch used) and its worker restarts at x^k. With ``stops=True``
+    every other worker is stopped at the round's end and restarts at x^{k+1} (the 2026 group code's semantics): then,
+    with fixed times tau_i, a round takes exactly T_S = min{t : sum_i floor(t / tau_i) >= S}. Every computation,
+    a restart included, takes its worker's next time (:func:`computation_time`).
 
     Every update is computed at w_t, so the server keeps no backup: one copy of the weights for any M.
 
@@ -974,14 +975,16 @@ class Rennala(_Cluster):
             slot = jnp.minimum(count, size - 1)
             shards = shards.at[slot].set(jnp.where(fresh, w, shards[slot]))
             skips = skips.at[slot].set(jnp.where(fresh, s.skips[w], skips[slot]))
-            s = _restart(law, s, w, now, t, ~fresh, n_sync)
+            # The gradient that closes the round makes x^{k+1}: its worker begins the next one there (the newest).
+            version = jnp.where(fresh & (count == size - 1), t + 1, t)
+            s = _restart(law, s, w, now, version, ~fresh, n_sync)
             return s, count + fresh.astype(jnp.int32), shards, skips
 
         zero = jnp.zeros((), jnp.int32)
         s, _, shards, skips = jax.lax.while_loop(collecting, arrive, (s, zero, shards, shards))
         now = s.began.max()  # the last arrival: every worker that finished this round began its next one then
-        if self.stops:
-            s = _stop(law, s, jnp.ones((law.num,), bool), now, t + 1, n_sync)
+        if self.stops:  # every computation still at x^k (all but the closing worker's) restarts at x^{k+1}
+            s = _stop(law, s, s.start == t, now, t + 1, n_sync)
         s = s._replace(clock=now)
         return s, Round(shards, skips, now, s.busy, s.wasted)
 

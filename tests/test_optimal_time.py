@@ -57,6 +57,30 @@ def test_rennala_is_the_papers_algorithm(batch, stops):
     np.testing.assert_array_equal(np.asarray(result.state.data.taken + result.state.delay.skips), taken)
 
 
+def test_rennala_without_stops_follows_a_hand_computed_schedule():
+    """Times 3, 4, 7, S = 2, no stops, by hand: a worker always begins at the newest iterate (the one whose gradient
+    closes round k at x^{k+1}), a gradient computed at an older one is ignored; ties go to the lower id (at 12, 21
+    and 24, exact with integer times). Round by round: its workers, their skips (ignored gradients just before), the
+    clock, the busy and the wasted time. The closing worker restarting at x^k instead made its next gradient an
+    ignored one: round 1 ended at 12 (not 9) with workers [0, 0], 14 of 27 wasted."""
+    model = delays.Rennala(delays.Workers.with_times([3, 4, 7]), 2)
+    shards = [[0, 1], [1, 0], [0, 0], [0, 1], [0, 1]]
+    skips = [[0, 0], [0, 1], [0, 0], [0, 2], [1, 0]]  # ignored: w0 at 6, 21; w1 at 12, 16; w2 at 7, 14, 21
+    times, busy, wasted = [4, 9, 15, 20, 24], [7, 24, 41, 52, 69], [0, 10, 21, 25, 35]
+    s, step = model.init(jax.random.key(0)), jax.jit(model.round)
+    for t in range(5):
+        s, r = step(s, t, jax.random.key(t))
+        assert np.asarray(r.shards).tolist() == shards[t] and np.asarray(r.skips).tolist() == skips[t], t
+        assert (float(r.time), float(r.busy), float(r.wasted)) == (times[t], busy[t], wasted[t]), t
+    assert np.asarray(s.skips).tolist() == [0, 0, 3]  # w2's three ignored gradients, still pending
+    result = simulate_lsq(SGD, model, num_updates=5)  # the simulator runs the same schedule
+    np.testing.assert_array_equal(result.metrics["time"], times)
+    np.testing.assert_array_equal(result.metrics["busy"], busy)
+    np.testing.assert_array_equal(result.metrics["wasted"], wasted)
+    # Minibatches: every arrival used one (w0 arrived 8 times, w1 6, w2 3), ignored or not.
+    np.testing.assert_array_equal(np.asarray(result.state.data.taken + result.state.delay.skips), [8, 6, 3])
+
+
 _RANDOM = delays.Workers(5, compute_time="lognormal", sigma=1.0, noise=0.3)
 
 
@@ -81,10 +105,14 @@ def test_every_computation_takes_its_workers_next_time_a_restart_included(model)
 
 
 def test_with_stops_every_update_waits_for_the_first_of_fresh_draws():
-    """Exponential times, mean 1, M = 4, Ringmaster with stops and R = 1: after each update every other computation is
+    """Exponential times, mean 1, M = 4, with stops and R = 1 (S = 1): after each update every other computation is
     stopped and begins anew, so an update takes the first of four fresh exponential times: 1/4 on average, median
-    ln(2)/4 (the papers' model). A restart that kept its drawn time kept the long ones: 1.0 on average."""
+    ln(2)/4 (the papers' model). A restart that kept its drawn time kept the long ones: 1.0 on average. Ringmaster
+    with R = 1 and Rennala with S = 1 are then one algorithm, and each worker's c-th computation takes its c-th time in
+    both: the same clock bit for bit."""
     ring = simulate_lsq(SGD, delays.Ringmaster(4, 1, stops=True), num_updates=4000, batch_size=1)
+    rounds = simulate_lsq(SGD, delays.Rennala(4, 1, stops=True), num_updates=4000, batch_size=1)
+    np.testing.assert_array_equal(ring.metrics["time"], rounds.metrics["time"])
     gaps = np.diff(ring.metrics["time"], prepend=0.0)
     assert abs(gaps.mean() - 0.25) < 0.02  # the std of the mean: 0.25 / sqrt(4000) = 0.004
     assert abs(np.median(gaps) - 0.25 * np.log(2)) < 0.02

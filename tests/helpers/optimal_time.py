@@ -80,7 +80,8 @@ def ringmaster(times, threshold, lr, num_updates, stops=False, key=0):
 def rennala(times, batch, lr, num_updates, stops=False, key=0):
     """Rennala SGD: collect gradients computed at the current x^k (a worker may give several) until S have arrived,
     then one step with their mean (in arrival order); a gradient computed at an older iterate is ignored and its
-    worker begins again at x^k. With stops, every worker restarts at x^{k+1} after each step."""
+    worker begins again at x^k. A worker always begins at the newest iterate: the one whose gradient closes the round
+    begins at x^{k+1}. With stops, every other worker restarts at x^{k+1} after each step."""
     m = len(times)
     order, workers = BatchOrder(key, m), _Workers(times)
     w = W1.astype(np.float64)
@@ -94,10 +95,10 @@ def rennala(times, batch, lr, num_updates, stops=False, key=0):
                 used.append(g)
             else:
                 workers.wasted += now - workers.began[i]
-            workers.begin(i, now, k)
+            workers.begin(i, now, k + 1 if len(used) == batch else k)
         w = w - lr * np.mean(used, axis=0)
         if stops:
-            workers.stop(range(m), now, k + 1)
+            workers.stop([j for j in range(m) if workers.start[j] == k], now, k + 1)
         for name, value in zip(out, (now, workers.busy, workers.wasted), strict=True):
             out[name].append(value)
     return w, {k: np.asarray(v) for k, v in out.items()}, order.taken
