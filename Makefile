@@ -26,7 +26,7 @@ STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync spee
 
 # Every study's quick form, the report, and each study's final plot copied to docs/results/ (what the README shows).
 studies: $(STAMP)
-	for s in $(STUDIES); do $(BIN)/asgd-jax run $$s --quick --out results/studies/$$s || exit 1; done
+	for s in $(STUDIES); do $(BIN)/asgd-jax run $$s --quick --overwrite --out results/studies/$$s || exit 1; done
 	$(BIN)/asgd-jax report results/studies
 	mkdir -p docs/results && for s in $(STUDIES); do \
 		cp results/studies/$$s/final.png docs/results/$$s.png; \

@@ -219,7 +219,7 @@ def _add_method_flags(a) -> None:
 def _add_train(sub) -> None:
     from asgd_jax import rules, setups
     from asgd_jax.plan import MODES, PUSHES
-    from asgd_jax.trainer.config import BACKENDS, FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
+    from asgd_jax.trainer.config import FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
     d, ds = TrainConfig(), setups.Setup()
     dp = d.plan
@@ -287,6 +287,15 @@ def _add_train(sub) -> None:
     a("--max-nonfinite", type=int, default=d.max_nonfinite, help="NaN/Inf pushes in a row that stop the run [10 x M]")
     a("--slowdown", nargs="+", default=None, metavar="W:F", help="straggler study: worker W F times slower")
     a("--timeout", type=float, default=d.timeout, help="seconds before the run is stopped")
+    _add_where_flags(a, d)
+    p.set_defaults(func=_train, parser=p, actions=actions)
+
+
+def _add_where_flags(a, d) -> None:
+    """``train``'s flags of where the run's parts live: the backend, the Ray cluster, the store's device, the event
+    files."""
+    from asgd_jax.trainer.config import BACKENDS
+
     a("--backend", default=d.backend, choices=BACKENDS, help="ray: actors on a Ray cluster")
     a("--ray-address", default=d.ray_address, help="Ray cluster to join ('auto': the local `ray start`)")
     a("--store-device", default=d.store_device, help="where the store's state lives: cpu or PLATFORM[:INDEX] [cpu]")
@@ -297,7 +306,6 @@ def _add_train(sub) -> None:
         default=d.tensorboard,
         help="also write TensorBoard event files into --out/tensorboard (pip install 'asgd_jax[tensorboard]')",
     )
-    p.set_defaults(func=_train, parser=p, actions=actions)
 
 
 def _resume_flag(value: str) -> bool | str:

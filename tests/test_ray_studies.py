@@ -133,8 +133,12 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(study_file, monkeypatch, ca
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", unreachable)
-    argv = ["run", str(study_file), "--quick", "--no-progress", "--backend", "ray", "--ray-address", "127.0.0.1:1"]
+    argv = ["run", str(study_file), "--quick", "--no-progress", "--backend", "ray", "--ray-address", "auto"]
     assert main([*argv, "--out", str(study_file.parent / "out")]) == 2
     err = capsys.readouterr().err
-    assert "ray_address='127.0.0.1:1' (--ray-address) cannot be joined (ConnectionError: Failed to connect" in err
+    assert "ray_address='auto' (--ray-address) cannot be joined (ConnectionError: Failed to connect" in err
     assert len(err.strip().splitlines()) == 1
+    argv[-1] = "127.0.0.1:1"  # a host:port where nothing listens: refused by the probe, before Ray is asked
+    assert main([*argv, "--out", str(study_file.parent / "out2")]) == 2
+    err = capsys.readouterr().err
+    assert "ray_address='127.0.0.1:1' (--ray-address) cannot be reached" in err and len(err.strip().splitlines()) == 1
