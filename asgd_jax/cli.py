@@ -112,10 +112,10 @@ def _ablate(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if "workers" in overrides:  # checked here, so that the message names the flag
         errors.require(
-            all(m >= 1 for m in overrides["workers"]),
+            all(m >= 1 for m in overrides["workers"]) and len(set(overrides["workers"])) == len(overrides["workers"]),
             "workers",
             list(overrides["workers"]),
-            "give worker counts >= 1 (--workers 1 4 8)",
+            "give distinct worker counts >= 1 (--workers 1 4 8)",
         )
     errors.output_folder("out", args.out, "--out")  # before the work, not after it
     print(
@@ -530,6 +530,7 @@ def _train(args: argparse.Namespace) -> int:
     ds = data.load(setup.dataset, data_dir=setup.data_dir)
     model = setup.build_model(ds.num_classes, ds.input_shape)
     loss = setup.loss(model)  # (an augmentation that cannot fit these inputs is refused here)
+    evaluation = setup.evaluation(model, ds.test)  # (and a crop larger than the images)
     if setup.augment:
         print(f"asgd-jax train: --augment on {setup.dataset}: {setup.augmentation(ds.input_shape).describe()}")
     rule = train_rule(args, setup, config.plan, len(ds.y_train))
@@ -555,7 +556,7 @@ def _train(args: argparse.Namespace) -> int:
             ds.train,
             config,
             model_state=model_state,
-            eval_fn=setup.evaluation(model, ds.test),
+            eval_fn=evaluation,
         )
     except KeyboardInterrupt as e:
         _add_args_to_summary(config.out, args)

@@ -356,6 +356,25 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 """Model constructors by name; each takes ``num_classes`` and its own keyword options."""
 
 
+def options_of(name: str) -> tuple[str, ...]:
+    """The options a model by name takes (its module's fields, and ``dtype``), for :func:`get` and its checks."""
+    module = MODELS[name]
+    fields = [f.name for f in dataclasses.fields(module) if f.init and f.name not in ("parent", "name", "num_classes")]
+    return (*fields, "dtype")
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """Refuses (a ``ConfigError``) an option that model ``name`` does not take, naming the ones it does."""
+    unknown = sorted(set(options) - set(options_of(name)))
+    errors.require(
+        not unknown,
+        "model_options",
+        dict(options),
+        f"{name!r} takes {', '.join(options_of(name))}; not {', '.join(unknown)}",
+        "--model-options",
+    )
+
+
 def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: Any) -> Model:
     """Builds a model by name.
 
@@ -396,6 +415,7 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
         raise errors.ConfigError(
             f"input_shape={input_shape!r} does not fit {name!r}: it takes (height, width, channels)."
         )
+    check_options(name, options)
     dtype = options.pop("dtype", "float32")
     errors.choice("dtype", dtype, ("float32", "bfloat16"), "--dtype")
     return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes, dtype)

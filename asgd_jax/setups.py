@@ -116,6 +116,10 @@ class Setup:
         errors.require(
             isinstance(self.model_options, Mapping), "model_options", self.model_options, "give a table of options"
         )
+        from asgd_jax import models
+
+        if self.model in models.MODELS:  # (an unknown name is refused where the model is built, naming the known)
+            models.check_options(self.model, self.model_options)
         errors.choice("dtype", self.dtype, DTYPES, "--dtype")
         errors.positive_int("batch_size", self.batch_size, "--batch-size")
         errors.finite_number("learning_rate", self.learning_rate, lowest=0.0, flag="--lr")
@@ -212,8 +216,21 @@ class Setup:
         return preprocess.augmentation(self.dataset, input_shape) if self.augment else None
 
     def evaluation(self, model: Any, test: Any) -> Any:
-        """The held-out evaluation, with its crops."""
+        """The held-out evaluation, with its crops (a crop larger than the images is refused here, before any
+        compile)."""
         from asgd_jax import models
+
+        if self.eval_crop is not None:
+            side = min(model.input_shape[:2]) if len(model.input_shape) == 3 else 0
+            errors.require(
+                self.eval_crop <= side,
+                "eval_crop",
+                self.eval_crop,
+                f"the images are {'x'.join(map(str, model.input_shape[:2]))}: use a crop of at most {side}"
+                if side
+                else f"crops need images; the inputs are {list(model.input_shape)}: drop --eval-crop",
+                "--eval-crop",
+            )
 
         return models.classification_eval(model, test, crop=self.eval_crop, multi_crop=self.eval_multi_crop)
 
