@@ -93,6 +93,7 @@ def validate(loss: Loss, data: Any, params: Any, model_state: Any, plan: Any) ->
     and the loss's declared form on a minibatch's shapes. Returns the run's :class:`Exchange`."""
     ex = Exchange.create(plan, data, stateful=loss.has_model_state)
     check_params(params)
+    loss.check_data(data)
     loss.check(params, {} if model_state is None else model_state, batch_shapes(data, plan.batch_size))
     return ex
 

@@ -80,6 +80,14 @@ class Loss:
             return lambda p, ms, b, k: (lambda out: (out[0], (ms, out[1])))(fn(p, b))
         return lambda p, ms, b, k: (fn(p, b), (ms, {}))
 
+    def check_data(self, data: Any) -> None:
+        """The data's values, where the loss knows what they may be (a function with a ``check_data(data)`` method,
+        such as :func:`asgd_jax.classification_loss`'s, whose labels must be classes of the model): a ``ConfigError``
+        naming what is wrong, before anything compiles. A plain function checks nothing here."""
+        hook = getattr(self.fn, "check_data", None)
+        if callable(hook):
+            hook(data)
+
     def check(self, params: Any, model_state: Any, batch: Any) -> None:
         """Traces the loss once on a minibatch's shapes (no compilation) and raises a ``ConfigError`` that names the
         declared form when what it returns does not fit it."""

@@ -421,6 +421,29 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
     return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes, dtype)
 
 
+def check_labels(data: Any, num_classes: int) -> None:
+    """Raises a ``ConfigError`` unless ``data["y"]`` holds int labels in ``[0, num_classes)``: an out-of-range label
+    makes a one-hot of zeros, a loss and an error that are silently wrong."""
+    if not isinstance(data, dict) or "y" not in data:
+        return  # (the shapes check names a missing label)
+    y = np.asarray(jax.device_get(data["y"]))
+    errors.require(
+        np.issubdtype(y.dtype, np.integer),
+        "labels",
+        f"{y.dtype} array",
+        "give int class labels, e.g. y.astype(np.int32)",
+    )
+    if y.size:
+        low, high = int(y.min()), int(y.max())
+        errors.require(
+            low >= 0 and high < num_classes,
+            "labels",
+            f"in [{low}, {high}]",
+            f"the model has {num_classes} classes: labels must be in [0, {num_classes - 1}] (or build the model with "
+            f"num_classes={high + 1})",
+        )
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy with integer labels."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -474,6 +497,10 @@ class _ClassificationLoss:
     padding: int
     flip: bool = True
 
+    def check_data(self, data: Any) -> None:
+        """The labels are int classes of the model (``0 <= y < num_classes``)."""
+        check_labels(data, self.model.num_classes)
+
     def __call__(self, params, model_state, batch, key):
         x = batch["x"]
         if self.augment:
@@ -510,6 +537,7 @@ def classification_eval(
     if not np.shape(data["y"]) or int(np.shape(data["y"])[0]) == 0:
         raise errors.ConfigError("classification_eval got an empty split: give at least one example.")
     errors.positive_int("batch_size", batch_size)
+    check_labels(data, model.num_classes)
     return Evaluation(model, {"x": data["x"], "y": data["y"]}, int(batch_size), crop, bool(multi_crop))
 
 

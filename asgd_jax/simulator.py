@@ -794,6 +794,7 @@ def _prepare(
         eval_avals = _avals(params, model_state, exchange.eval_parts(eval_fn)[1])
         eval_key = _Key(None, eval_fn, None, None, None, None, eval_avals, runs)
         evaluator = _program(eval_key, lambda: _make_evaluator(eval_fn, runs is not None, params, model_state))
+    loss.check_data(data)  # (values, every call; the shapes are checked once per program, below)
     key = _Key(loss, None, source.rule_key, source.delays_key, plan_key, ex, _avals(params, model_state, data), runs)
 
     def build() -> _Program:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -53,3 +55,28 @@ def test_ablate_refuses_a_worker_count_given_twice(tmp_path, capsys):
     assert main(["ablate", "--workers", "4", "1,4", "--quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "workers=[4, 1, 4] is invalid: give distinct worker counts" in err and not any(tmp_path.iterdir())
+
+
+@settings(max_examples=25, deadline=None)
+@given(shift=st.integers(-20, 20).filter(lambda s: s != 0))
+def test_labels_outside_the_models_classes_are_refused_before_a_compile(shift):
+    """Out-of-range labels made a one-hot of zeros: a loss and an error silently wrong. The simulator, the trainer
+    and the evaluation refuse them by value."""
+    ds = asgd_jax.data.load("digits")
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
+    params, state = model.init(jax.random.key(0))
+    y = ds.y_train + shift
+    data = {"x": ds.x_train, "y": y.astype(np.int32)}
+    plan = asgd_jax.Plan(1, num_updates=2, batch_size=8)
+    match = rf"labels=.in \[{y.min()}, {y.max()}\]. is invalid: the model has 10 classes"
+    loss = asgd_jax.classification_loss(model)
+    with pytest.raises(asgd_jax.ConfigError, match=match):
+        asgd_jax.simulate(loss, asgd_jax.asgd(0.1), params, data, plan, model_state=state, progress=False)
+    with pytest.raises(asgd_jax.ConfigError, match=match):
+        asgd_jax.trainer.train(
+            loss, asgd_jax.asgd(0.1), params, data, asgd_jax.TrainConfig(plan, progress=False), model_state=state
+        )
+    with pytest.raises(asgd_jax.ConfigError, match=match):
+        asgd_jax.classification_eval(model, data)
+    with pytest.raises(asgd_jax.ConfigError, match="give int class labels"):
+        asgd_jax.classification_eval(model, {"x": ds.x_test, "y": ds.y_test.astype(np.float32)})
