@@ -741,7 +741,8 @@ class ClusterState(NamedTuple):
       wasted: float32: of ``busy``, the work that changed no weight (ignored gradients, stopped computations).
       begun: int32 ``[M]``: the computations each worker has begun (restarts after a stop included): the next one
         takes its worker's time number ``begun[w]`` (:func:`computation_time`).
-      key: the key data of the cluster's times (the ``init`` key).
+      keys: the key data of every worker's sequence of times, ``[M, ...]``: ``fold_in(init key, w)`` (folded once, so
+        a time costs one fold_in, not two).
     """
 
     finish: jax.Array
@@ -752,7 +753,7 @@ class ClusterState(NamedTuple):
     busy: jax.Array
     wasted: jax.Array
     begun: jax.Array
-    key: jax.Array
+    keys: jax.Array
 
 
 def computation_time(workers: Workers, key: jax.Array, worker: jax.Array, count: jax.Array, n_sync: int = 1):
@@ -773,21 +774,27 @@ def computation_time(workers: Workers, key: jax.Array, worker: jax.Array, count:
     return workers.work_time(jax.random.fold_in(jax.random.fold_in(key, worker), count), n_sync, worker)
 
 
-def _key_data(key: jax.Array) -> jax.Array:
-    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+def _worker_keys(key: jax.Array, num: int) -> jax.Array:
+    """The key data of every worker's sequence of times, ``fold_in(key, w)``."""
+    key = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+    return jax.random.key_data(jax.vmap(lambda w: jax.random.fold_in(key, w))(jnp.arange(num, dtype=jnp.int32)))
+
+
+def _time(workers: Workers, s: ClusterState, w: jax.Array, n_sync: int) -> jax.Array:
+    """Worker ``w``'s next time (number ``begun[w]``): :func:`computation_time`, its worker's key folded in once."""
+    return workers.work_time(jax.random.fold_in(jax.random.wrap_key_data(s.keys[w]), s.begun[w]), n_sync, w)
 
 
 def _times(workers: Workers, s: ClusterState, n_sync: int) -> jax.Array:
-    """Every worker's next time (number ``begun[w]``), ``[M]``."""
-    key, ids = jax.random.wrap_key_data(s.key), jnp.arange(workers.num, dtype=jnp.int32)
-    return jax.vmap(lambda w, c: computation_time(workers, key, w, c, n_sync))(ids, s.begun)
+    """Every worker's next time, ``[M]``."""
+    return jax.vmap(lambda w: _time(workers, s, w, n_sync))(jnp.arange(workers.num, dtype=jnp.int32))
 
 
 def _fresh(workers: Workers, key: jax.Array, n_sync: int) -> ClusterState:
     m = workers.num
     zero_f, zero_i = jnp.zeros((m,), jnp.float32), jnp.zeros((m,), jnp.int32)
     scalar = jnp.zeros((), jnp.float32)
-    s = ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar, zero_i, _key_data(key))
+    s = ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar, zero_i, _worker_keys(key, m))
     return s._replace(finish=_times(workers, s, n_sync), begun=zero_i + 1)
 
 
@@ -796,7 +803,7 @@ def _restart(workers: Workers, s: ClusterState, w, now, version, ignored: Any, n
     begins the next one, at ``version``'s weights, taking its next time. Only worker ``w``'s entries change (O(1) in a
     loop over arrivals)."""
     spent = now - s.began[w]
-    work = computation_time(workers, jax.random.wrap_key_data(s.key), w, s.begun[w], n_sync)
+    work = _time(workers, s, w, n_sync)
     return s._replace(
         finish=s.finish.at[w].set(now + work),
         began=s.began.at[w].set(now),
@@ -1025,11 +1032,14 @@ class MSync(_Cluster):
         return self.m
 
     def init(self, key: jax.Array, n_sync: int = 1) -> ClusterState:
-        """Every round draws its own times: no computation is in progress between rounds (and nothing is drawn)."""
+        """Every round draws its own times (from the update's key, as SSGD): no computation is in progress between
+        rounds."""
         del n_sync
         zero_f, zero_i = jnp.zeros((self.workers.num,), jnp.float32), jnp.zeros((self.workers.num,), jnp.int32)
         scalar = jnp.zeros((), jnp.float32)
-        return ClusterState(zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar, zero_i, _key_data(key))
+        return ClusterState(
+            zero_f, zero_f, zero_i, zero_i, scalar, scalar, scalar, zero_i, _worker_keys(key, self.workers.num)
+        )
 
     def round(self, s: ClusterState, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del t
