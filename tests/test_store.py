@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +169,21 @@ def test_a_store_device_that_is_not_there_is_refused_by_name(spec, says):
 
     with pytest.raises(asgd_jax.ConfigError, match=f"store_device.*{spec!r}.*{says}|{says}"):
         TrainConfig(store_device=spec).store_device_now()
+
+
+def test_a_push_that_reaches_the_queue_after_the_store_closed_is_answered_and_counted():
+    """The race of a push that passed the closed check just before close(): it reached a queue nobody reads, its
+    future never resolved and it was counted as received only (sent 9 = applied 8 + rejected 0). Injected here by
+    queueing after close."""
+    store = ParameterStore(asgd_jax.asgd(0.5), {"w": np.zeros(3, np.float32)}, 2)
+    store.push(0, {"w": np.ones(3, np.float32)}, 0).result(timeout=60)
+    store.close()
+    future = Future()
+    payload = store.server.put(store.server.packed_payload(1, {"w": np.ones(3, np.float32)}, None))
+    with store.lock:
+        store.ledger.received += 1  # what push() counted before the gate
+    store.applier.put((1, *payload, 0, None, False, future))
+    with pytest.raises(StoreClosed):
+        future.result(timeout=60)
+    s = store.status()
+    assert s.received == s.applied + s.rejected and (s.applied, s.late) == (1, 1)

@@ -30,20 +30,31 @@ class Applier:
     def __init__(self, store: ParameterStore):
         self.store = store
         self._queue: queue.Queue = queue.Queue()
+        self._gate = threading.Lock()  # a push queued after stop() is answered at once, never left in the queue
+        self._stopped = False
         self.snapshots: list[Snapshot] = []
         self.last_answer = store.server.answer(0)  # the final weights, should a failing exchange consume the state
         self._thread = threading.Thread(target=self._loop, daemon=True, name="store-applier")
         self._thread.start()
 
     def put(self, item: tuple) -> None:
-        """Queues ``(worker, payload, model_state, pulled_version, round_info, packed, future)``."""
-        self._queue.put(item)
+        """Queues ``(worker, payload, model_state, pulled_version, round_info, packed, future)``; after :meth:`stop`
+        (a push that passed the store's closed check just before it closed) it is rejected as late at once."""
+        with self._gate:
+            if not self._stopped:
+                self._queue.put(item)
+                return
+        store = self.store
+        with store.lock:
+            store.ledger.late_push()
+        item[-1].set_exception(StoreClosed(store.closed_reason()))
 
     def stop(self, timeout: float = 60) -> None:
         """Lets the applier finish the queue (the store is closed: those pushes are rejected as late) and end."""
-        if self._thread.is_alive():
+        with self._gate:
+            self._stopped = True
             self._queue.put(None)
-            self._thread.join(timeout=timeout)
+        self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
         store, item = self.store, None
@@ -62,7 +73,10 @@ class Applier:
                 with store.lock:
                     store.ledger.rejected += 1
                 item[-1].set_exception(StoreClosed(store.closed_reason()))
-        # Anything still queued after close is rejected, so pushes sent == applied + rejected.
+        # Anything still queued after close is rejected, so pushes sent == applied + rejected; anything put from now
+        # on is rejected by put() itself (the applier may have died: nothing would take it from the queue).
+        with self._gate:
+            self._stopped = True
         while True:
             try:
                 item = self._queue.get_nowait()
