@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/asgd-jax ablate --quick --out results/demo
+	$(BIN)/asgd-jax ablate --quick --model cnn --lr 0.2 --epochs 10 --out results/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 --nbmake tests notebooks
