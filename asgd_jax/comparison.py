@@ -177,6 +177,12 @@ def compare(
         for i, name in enumerate(names)
         for values in itertools.product(*(_values(name, k, grids[name][k]) for k in hp_names[i]))
     ]
+    errors.require(
+        isinstance(seeds, Sequence | np.ndarray) and not isinstance(seeds, str),
+        "seeds",
+        seeds,
+        "give a list of seeds, e.g. seeds=[0, 1, 2] (or seeds=range(n))",
+    )
     keys, index = grid(seeds=list(seeds), setting=list(range(len(settings))))
     chosen = np.asarray(index["setting"]).astype(int)
     all_names = sorted({k for names_i in hp_names for k in names_i})

@@ -719,9 +719,13 @@ def _check_key(name: str, key: Any, batched: bool) -> jax.Array:
         key = jax.random.wrap_key_data(key)  # a legacy jax.random.PRNGKey: the same key, typed
     good = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     shape = "a 1-D array of keys, one per run (see asgd_jax.grid)" if batched else "one key, e.g. jax.random.key(0)"
-    errors.require(good and key.ndim == (1 if batched else 0), name, key, f"give {shape}")
+    # An array is named by its kind and shape: its repr is every key's data, lines of it.
+    named = f"<keys of shape {tuple(key.shape)}>" if good else key
+    if isinstance(key, jax.Array | np.ndarray) and not good:
+        named = f"<{key.dtype} array of shape {tuple(key.shape)}>"
+    errors.require(good and key.ndim == (1 if batched else 0), name, named, f"give {shape}")
     if batched:
-        errors.require(key.shape[0] >= 1, name, key, "give at least one key")
+        errors.require(key.shape[0] >= 1, name, named, "give at least one key")
     return key
 
 
@@ -1391,8 +1395,9 @@ def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array,
       >>> keys.shape, hp["lam"].tolist()
       ((6,), [0.5, 1.0, 2.0, 0.5, 1.0, 2.0])
     """
+    given = seeds
     seeds = list(seeds) if isinstance(seeds, Sequence | np.ndarray) and not isinstance(seeds, str) else None
-    errors.require(bool(seeds), "seeds", seeds, "give a non-empty list of seeds")
+    errors.require(bool(seeds), "seeds", given, "give a non-empty list of seeds, e.g. seeds=[0, 1, 2]")
     for seed in seeds:
         errors.require(
             errors.is_int(seed) and 0 <= seed < 2**32, "seeds", seeds, "use ints in [0, 2**32) (a key's seed)"

@@ -42,10 +42,10 @@ bad_rate = st.one_of(not_a_number, non_finite, negative)  # where a finite numbe
 bad_name = st.text(min_size=1, max_size=8).filter(lambda s: s not in ("async", "sync", "gradients", "delta"))
 
 
-def _raises_config_error_without_compiling(call):
-    """The call raises a ConfigError, and no program of the engines was compiled first (JAX's own eager helpers, such
-    as the default key's seeding, may compile)."""
-    with compilations() as counts, pytest.raises(ConfigError):
+def _raises_config_error_without_compiling(call, match=None):
+    """The call raises a ConfigError (matching ``match``), and no program of the engines was compiled first (JAX's own
+    eager helpers, such as the default key's seeding, may compile)."""
+    with compilations() as counts, pytest.raises(ConfigError, match=match):
         call()
     ours = {name: n for name, n in counts.items() if name.startswith("simulator_")}
     assert not ours, ours
@@ -297,3 +297,24 @@ def test_a_trace_rejects_versions_it_cannot_replay(pulled, ring):
     _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], pulled=[0, 0, 0, 0], ring=3))
     _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], pulled=[0, 0, 0, 0], ring=ring))
     _raises_config_error_without_compiling(lambda: delays.Trace([0, 1, 0, 1], ring=2))
+
+
+@SETTINGS
+@given(seeds=st.one_of(st.integers(), st.none(), st.floats(allow_nan=False), st.text(max_size=3)))
+def test_compare_and_grid_refuse_seeds_that_are_not_a_list_naming_the_value(seeds):
+    match = rf"seeds={re.escape(repr(seeds))} is invalid: give a (non-empty )?list of seeds"
+    _raises_config_error_without_compiling(lambda: asgd_jax.grid(seeds=seeds, learning_rate=[0.1]), match)
+    _raises_config_error_without_compiling(
+        lambda: asgd_jax.compare(lsq_loss, W0, DATA, asgd_jax.Plan(2), {"asgd": {"learning_rate": [0.1]}}, seeds=seeds),
+        match,
+    )
+
+
+def test_keys_of_the_wrong_shape_are_named_by_shape_not_dumped():
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+    with pytest.raises(asgd_jax.ConfigError) as raised:
+        asgd_jax.sweep(lsq_loss, asgd_jax.asgd(0.1), W0, DATA, asgd_jax.Plan(2, num_updates=5), keys=keys)
+    message = str(raised.value)
+    assert (
+        message.startswith("keys='<keys of shape (2, 2)>' is invalid: give a 1-D array of keys") and "\n" not in message
+    )
