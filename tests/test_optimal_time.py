@@ -298,13 +298,14 @@ def test_time_to_target_counts_only_a_crossing_within_the_budget():
     assert np.isnan(studies.time_to_target(times, errors, 0.5, budget=2.5))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (not module: a worker interleaves other modules)
 def optimal_time_run():
     study = studies.load("optimal_time")
     settings = dataclasses.replace(study.quick, workers=(4,), seeds=(0,), time_budget=40.0, target_error=0.05)
     return study, studies.run(study, settings=settings, progress=False)
 
 
+@pytest.mark.xdist_group("optimal_time_run")  # one worker runs the study once
 def test_the_optimal_time_study_gives_every_method_its_time_budget(optimal_time_run):
     _, result = optimal_time_run
     labels = {r["label"] for r in result.runs}
@@ -326,6 +327,7 @@ def test_the_optimal_time_study_gives_every_method_its_time_budget(optimal_time_
     assert reached and max(reached) <= result.settings.time_budget
 
 
+@pytest.mark.xdist_group("optimal_time_run")  # one worker runs the study once
 def test_the_optimal_time_study_picks_by_time_to_target(optimal_time_run):
     study, result = optimal_time_run
     _, picks = studies.best_tuned(study, result.runs)
@@ -336,6 +338,7 @@ def test_the_optimal_time_study_picks_by_time_to_target(optimal_time_run):
             assert pick["lr"] == best["lr"] and all(pick.get(k) == best.get(k) for k in ("R", "S", "m"))
 
 
+@pytest.mark.xdist_group("optimal_time_run")  # one worker runs the study once
 def test_the_optimal_time_curve_is_the_harmonic_bound(optimal_time_run):
     study, result = optimal_time_run
     _, curve = study.reference(result.settings, [4, 16])
