@@ -62,6 +62,7 @@ _NAMES = {
     "classification_eval": "models",
     "classification_loss": "models",
     "Plan": "plan",
+    # The most used rules, kept as aliases: every rule factory lives under asgd_jax.rules (the one face).
     "ScaleByDelayCompensationState": "rules",
     "asgd": "rules",
     "dc_asgd": "rules",

@@ -17,6 +17,7 @@ import textwrap
 
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers.problems import DATA, PLAN_FIELDS, W0, lsq_loss, simulate_clean
 
@@ -213,7 +214,7 @@ def test_a_dead_applier_stops_the_run_at_once_with_its_error():
         g = jax.tree.map(lambda x: jax.pure_callback(explode, x, x), g)
         return base.update(g, state, params, **extra)
 
-    rule = asgd_jax.rules.optax.GradientTransformationExtraArgs(base.init, update)
+    rule = optax.GradientTransformationExtraArgs(base.init, update)
     config = TrainConfig(Plan(2, num_updates=10_000, batch_size=8), timeout=GUARD, progress=False)
     with pytest.raises(RunStopped, match=r"(?s)applier failed: .*injected fault in the applier"):
         _train(rule, config)

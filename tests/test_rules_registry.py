@@ -1,0 +1,113 @@
+"""What every rule shares, pinned over the registry (a new rule registered in ``asgd_jax/rules/registry.py`` is run
+through it without a line here), and the package's one face: every rule factory is an attribute of ``asgd_jax.rules``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import pkgutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import asgd_jax
+from asgd_jax import recipes, rules
+
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.arange(3, dtype=jnp.bfloat16)}
+GRADS = jax.tree.map(lambda p: (0.5 - p).astype(p.dtype), PARAMS)
+F32 = {"w": PARAMS["w"], "b": PARAMS["b"].astype(jnp.float32)}
+F32_GRADS = jax.tree.map(lambda p: 0.5 - p, F32)
+F32_STALE = jax.tree.map(lambda p: 0.9 * p, F32)
+
+
+def _built(name: str, learning_rate: float):
+    """``rules.get(name, learning_rate)`` with what the rule cannot do without (a worker count)."""
+    return rules.get(name, learning_rate, **{k: 3 for k in rules.required(name)})
+
+
+@pytest.mark.parametrize("name", rules.names())
+def test_a_registered_rules_first_step_without_staleness_is_finite_and_shaped_like_the_params(name):
+    rule = _built(name, 0.1)
+    state = rule.init(PARAMS)
+    extra = {"stale_params": PARAMS, "staleness": jnp.int32(0), "worker": jnp.int32(0)}
+    updates, new_state = rule.update(GRADS, state, PARAMS, **extra)
+    assert jax.tree.structure(updates) == jax.tree.structure(PARAMS)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(PARAMS), strict=True):
+        assert (u.shape, u.dtype) == (p.shape, p.dtype)
+        assert bool(jnp.isfinite(u.astype(jnp.float32)).all())
+    if callable(getattr(rule, "pull", None)):  # a pull rule sends weights shaped like the server's
+        sent = rule.pull(PARAMS, new_state, jnp.int32(1))
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), sent) == jax.tree.map(lambda x: (x.shape, x.dtype), PARAMS)
+
+
+@pytest.mark.parametrize("name", rules.names())
+def test_a_registered_rule_compiles_once_per_structure_whatever_its_learning_rate(name):
+    """As the simulator runs a rule: its recipe's numbers are the program's arguments, so rules of one name and
+    structure with other numbers share one compiled program, and each computes what it computes on its own."""
+    made = [_built(name, 0.1), _built(name, 0.05)]
+    built = [recipes.of(rule) for rule in made]
+    assert built[0].structure == built[1].structure
+    traces = []
+
+    @jax.jit
+    def step(numbers, state, staleness, worker):
+        traces.append(None)
+        rule = recipes.Recipe(built[0].structure, numbers).build()
+        return rule.update(F32_GRADS, state, F32, stale_params=F32_STALE, staleness=staleness, worker=worker)
+
+    state = made[0].init(F32)
+    extra = {"stale_params": F32_STALE, "staleness": jnp.int32(2), "worker": jnp.int32(1)}
+    for rule, recipe in zip(made, built, strict=True):
+        got, _ = step(recipe.numbers, state, extra["staleness"], extra["worker"])
+        want, _ = rule.update(F32_GRADS, state, F32, **extra)
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7), got, want)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name", rules.names())
+def test_a_rules_description_names_its_factory_under_asgd_jax_rules_whichever_file_defines_it(name):
+    """The header a resumed run checks holds the rule's description: it stays what it was when the rules were one
+    file, so that a run checkpointed then still resumes."""
+    factory = rules.RULES[name]
+    assert recipes.describe(_built(name, 0.1)).startswith(f"((asgd_jax.rules.{factory.__qualname__}, ")
+
+
+def test_every_registered_factory_is_a_factory_of_asgd_jax_rules_or_a_preset_of_one():
+    for name, factory in rules.RULES.items():
+        if factory.__name__ == f"_named_{name}":  # a preset ("sgd", "dc_asgd_c", "dc_asgd_a"): rules.get builds it
+            assert getattr(rules.registry, factory.__name__) is factory
+        else:
+            assert getattr(rules, factory.__name__) is factory, name
+            assert factory.__name__ in rules.__all__
+
+
+def _modules():
+    return [importlib.import_module(m.name) for m in pkgutil.iter_modules(rules.__path__, "asgd_jax.rules.")]
+
+
+def test_every_public_factory_and_type_of_the_package_is_an_attribute_of_asgd_jax_rules():
+    """One face: whatever module defines a rule, ``asgd_jax.rules.<name>`` is it (``common``'s helpers are the rule
+    modules' own, not a face; its ``PullRule`` is)."""
+    public = {"PullRule": rules.common.PullRule}
+    for module in _modules():
+        public |= {n: v for n, v in vars(module).items() if getattr(v, "is_recipe", False) and not n.startswith("_")}
+        if module.__name__ != "asgd_jax.rules.common":
+            tree = ast.parse(pathlib.Path(module.__file__).read_text())
+            defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+            public |= {n: vars(module)[n] for n in defined if not n.startswith("_")}
+    assert len(public) >= 25  # 14 factories, 5 types, the registry's 6 functions
+    for name, value in public.items():
+        assert name in rules.__all__, name
+        assert getattr(rules, name) is value, name
+
+
+def test_the_top_level_rule_names_are_aliases_of_asgd_jax_rules():
+    aliased = [n for n in asgd_jax.__all__ if n in rules.__all__]
+    assert {"asgd", "dc_asgd", "scale_by_delay_compensation", "ScaleByDelayCompensationState"} <= set(aliased)
+    for name in aliased:
+        assert getattr(asgd_jax, name) is getattr(rules, name), name
