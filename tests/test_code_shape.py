@@ -195,3 +195,63 @@ def test_every_registered_rule_builds_from_its_name_and_defaults(name):
     hp = {k: 4 for k in asgd_jax.rules.required(name)}  # num_workers of delay_adaptive
     rule = asgd_jax.rules.get(name, 0.1, **hp)
     assert callable(rule.init) and callable(rule.update)
+
+
+def _module_level_imports(path: pathlib.Path) -> set[str]:
+    """The package's modules (dotted, ``"asgd_jax.studies.picks"``) a module imports when it is itself imported: its
+    top-level statements, into ``if``/``try``/``with`` blocks and class bodies, but not into functions nor under
+    ``if TYPE_CHECKING:``. A ``from X import name`` names the module ``X.name`` where that is one, else ``X``."""
+    package = path.relative_to(PACKAGE.parent).parts[:-1]  # what a relative import starts from
+
+    def is_module(dotted: str) -> bool:
+        where = PACKAGE.parent.joinpath(*dotted.split("."))
+        return where.with_suffix(".py").exists() or (where / "__init__.py").exists()
+
+    def named(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names if a.name.split(".")[0] == "asgd_jax"}
+        if not isinstance(node, ast.ImportFrom):
+            return set()
+        base = ".".join((*package[: len(package) - node.level + 1], node.module or "")).strip(".")
+        base = base if node.level else (node.module or "")
+        if base.split(".")[0] != "asgd_jax":
+            return set()
+        return {f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names}
+
+    def walk(body: list[ast.stmt]) -> set[str]:
+        found: set[str] = set()
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                found |= walk(node.orelse)
+                continue
+            found |= named(node)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                found |= walk(getattr(node, field, []))
+        return found
+
+    return walk(ast.parse(path.read_text()).body)
+
+
+def test_no_module_of_the_package_imports_in_a_circle():
+    """Every module of the package and its subpackages, as imported (not inside functions, not for type checkers),
+    imports in one direction: a circle is reported as the path that closes it."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {m: {i for i in _module_level_imports(p) if i in modules and i != m} for m, p in modules.items()}
+    assert "asgd_jax.studies.picks" in graph["asgd_jax.studies.runner"]  # (the walk sees the imports it must)
+    assert "studies.present" not in _imports("studies.runner")  # the runner reads the picks, not the presentation
+    done: set[str] = set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, " -> ".join((*path[path.index(m) :], m))
+        if m not in done:
+            for n in sorted(graph[m]):
+                visit(n, (*path, m))
+            done.add(m)
+
+    for m in sorted(graph):
+        visit(m, ())

@@ -6,9 +6,10 @@ seeds. Every run gets the same budget of effective epochs, the same learning-rat
 (or the same warm-started ones). :func:`run` writes ``results.json``, ``results.csv``, ``table.md`` and PNG plots into a
 folder; :func:`report` turns folders of results into one Markdown report.
 
-The package's modules: :mod:`~asgd_jax.studies.language` (what a study is, and finding studies),
-:mod:`~asgd_jax.studies.runner` (running one, locally or on Ray, resumable) and :mod:`~asgd_jax.studies.present`
-(picks, tables, plots, files and the report, from a study's results only).
+The package's modules, each importing only those before it: :mod:`~asgd_jax.studies.language` (what a study is, and
+finding studies), :mod:`~asgd_jax.studies.picks` (a tuned study's picks: each cell's best setting and the time budgets,
+from its results only), :mod:`~asgd_jax.studies.runner` (running one, locally or on Ray, resumable) and
+:mod:`~asgd_jax.studies.present` (tables, plots, files and the report, from a study's results only).
 
 The studies themselves are modules of :mod:`asgd_jax.experiments` (``STUDY = Study(...)``), installed with the
 package; :func:`load` finds them by name, or loads a study file of your own by its path.
@@ -35,16 +36,14 @@ from asgd_jax.studies.language import (
     available,
     load,
 )
+from asgd_jax.studies.picks import best_tuned, time_budgets, within_budgets
 from asgd_jax.studies.present import (
-    best_tuned,
     curves_figure,
     format_table,
     plot,
     plot_panels,
     report,
     save,
-    time_budgets,
-    within_budgets,
 )
 from asgd_jax.studies.runner import (
     BACKENDS,

@@ -1,4 +1,5 @@
-"""Presenting a study's results: tuned picks, tables, plots, the files of a results folder and the report."""
+"""Presenting a study's results: tables, plots, the files of a results folder and the report (the tuned picks they
+show are :mod:`asgd_jax.studies.picks`')."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from asgd_jax import checkpoint as checkpoint_lib
 from asgd_jax import errors
 from asgd_jax import metrics as metrics_lib
 from asgd_jax.studies.language import METRICS, Study
+from asgd_jax.studies.picks import best_tuned, cell_of, grid_edges, time_budgets, within_budgets
 from asgd_jax.studies.runner import ARMS, RESULTS, StudyResult, as_json
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -35,42 +37,6 @@ def _metric_value(metric: str, r: dict[str, Any]) -> float:
     return 100 * r["test_error"] if metric == "test_error" else r["time_to_target"]
 
 
-def time_budgets(study: Study, runs: list[dict[str, Any]]) -> dict[tuple[Any, Any], float]:
-    """With :attr:`Study.equal_time`, each column's virtual-time budget: ``{(facet, column): T}``, T the earliest end
-    of a run there (every run of the column covers ``[0, T]``); without it, none.
-
-    Example:
-      >>> import dataclasses
-      >>> from asgd_jax import studies
-      >>> study = dataclasses.replace(studies.load("staleness_leaderboard"), equal_time=True)
-      >>> runs = [{"label": rule, "M": 4, "cluster": "uniform", "virtual_time": t} for rule, t in [("ASGD", 90.0),
-      ...         ("SSGD", 240.0), ("ASGD", 93.5)]]
-      >>> studies.time_budgets(study, runs)
-      {('uniform', 4): 90.0}
-    """
-    if not study.equal_time:
-        return {}
-    budgets: dict[tuple[Any, Any], float] = {}
-    for r in runs:
-        facet, _, column = cell_of(study, r)
-        budgets[(facet, column)] = min(budgets.get((facet, column), math.inf), float(r["virtual_time"]))
-    return budgets
-
-
-def within_budgets(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs with a time to target past their column's budget (:func:`time_budgets`) made "not reached" (NaN);
-    the runs themselves unchanged without :attr:`Study.equal_time`."""
-    budgets = time_budgets(study, runs)
-    if not budgets:
-        return runs
-    out = []
-    for r in runs:
-        facet, _, column = cell_of(study, r)
-        late = r.get("time_to_target", math.nan) > budgets[(facet, column)]
-        out.append({**r, "time_to_target": math.nan} if late else r)
-    return out
-
-
 def _describe(study: Study, metric: str) -> str:
     """What a table or plot calls ``metric`` (:data:`METRICS`), in the words of the study's :attr:`Study.measure`."""
     return METRICS[metric].replace("training error", _measure(study))
@@ -79,58 +45,6 @@ def _describe(study: Study, metric: str) -> str:
 def _measure(study: Study) -> str:
     """The name of a run's training measure: the study's own, or the classification training error."""
     return study.measure or "training error"
-
-
-def cell_of(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """A run's table cell: ``(facet, row, column)`` of its coordinates."""
-    return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
-
-
-def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[tuple, dict[str, Any]]]:
-    """The runs of each cell's best tuned setting, and the picks: ``{(facet, row, column): {"lr": 0.1, ...}}``.
-
-    A cell's runs are grouped by their :attr:`Study.tune` coordinates; the group with the lowest mean of
-    :attr:`Study.tune_by` wins (the final training error by default; a diverged run, or one that never reaches the
-    target, counts as the worst), so the test set only reports. Without ``tune``: all runs, no picks.
-
-    Example:
-      >>> from asgd_jax import studies
-      >>> study = studies.load("staleness_leaderboard")
-      >>> runs = [{"label": "ASGD", "M": 4, "cluster": "uniform", "lr": lr, "train_error": e, "test_error": e}
-      ...         for lr, e in [(0.1, 0.3), (0.1, 0.5), (0.2, 0.35), (0.2, 0.35)]]
-      >>> kept, picks = studies.best_tuned(study, runs)
-      >>> [r["lr"] for r in kept], picks
-      ([0.2, 0.2], {('uniform', 'ASGD', 4): {'lr': 0.2}})
-    """
-    if not study.tune:
-        return runs, {}
-    groups: dict[tuple, dict[tuple, list[dict[str, Any]]]] = {}
-    for r in runs:
-        groups.setdefault(cell_of(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
-
-    def score(group: list[dict[str, Any]]) -> float:
-        errs = np.asarray([r[study.tune_by] for r in group], np.float64)
-        return float(errs.mean()) if np.isfinite(errs).all() else math.inf
-
-    kept, picks = [], {}
-    for cell, by_setting in groups.items():
-        setting = min(by_setting, key=lambda k: score(by_setting[k]))
-        kept += by_setting[setting]
-        picks[cell] = {k: v for k, v in zip(study.tune, setting, strict=True) if v is not None}
-    return kept, picks
-
-
-def grid_edges(study: Study, runs: list[dict[str, Any]], picks: dict[tuple, dict[str, Any]]) -> dict[tuple, set]:
-    """Per cell, the tuned coordinates whose pick is the smallest or largest of 3 or more values tried there."""
-    tried: dict[tuple, dict[str, set]] = {}
-    for r in runs:
-        for k in study.tune:
-            if r.get(k) is not None:
-                tried.setdefault(cell_of(study, r), {}).setdefault(k, set()).add(r[k])
-    return {
-        cell: {k for k, v in p.items() if len(grid := tried[cell][k]) >= 3 and v in (min(grid), max(grid))}
-        for cell, p in picks.items()
-    }
 
 
 def _cell_values(study: Study, runs: list[dict[str, Any]], metric: str | None = None) -> dict[tuple, tuple]:

@@ -26,6 +26,7 @@ from asgd_jax import metrics as metrics_lib
 from asgd_jax.plan import Plan
 from asgd_jax.simulator import Prepared, grid, prepare_sweep, simulate
 from asgd_jax.studies.language import Arm, Settings, Study, Variant, load
+from asgd_jax.studies.picks import best_tuned, cell_of, grid_edges, within_budgets
 
 log = logging.getLogger("asgd_jax.studies")
 
@@ -400,8 +401,6 @@ def widened_arms(study: Study, s: Settings, arms: list[Arm], runs: list[dict[str
     """The arms one round of :attr:`Study.widen` adds: for every cell whose tuned ``lr`` sits at the edge of 3 or
     more values tried there, its picked variant one grid step further out (the ratio of the grid's two outermost
     values on that side), in a copy of the arm it came from."""
-    from asgd_jax.studies.present import best_tuned, cell_of, grid_edges, within_budgets  # it reads results
-
     _, picks = best_tuned(study, within_budgets(study, runs))
     out: dict[tuple, Arm] = {}
     for cell, keys in grid_edges(study, runs, picks).items():
