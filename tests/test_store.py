@@ -187,3 +187,38 @@ def test_a_push_that_reaches_the_queue_after_the_store_closed_is_answered_and_co
         future.result(timeout=60)
     s = store.status()
     assert s.received == s.applied + s.rejected and (s.applied, s.late) == (1, 1)
+
+
+def _pushes(pipelined: bool, payloads: list[tuple[int, np.ndarray]]) -> tuple:
+    """Pushes ``payloads`` (worker, gradient) through a DC-ASGD-a store, pipelined or not; what comes back."""
+    rule = asgd_jax.dc_asgd(0.1, 2.0, adaptive=True)
+    store = ParameterStore(rule, {"w": np.linspace(-1, 1, 6, dtype=np.float32)}, 2, pipelined=pipelined)
+    answers = []
+    try:
+        versions = [store.pull(w)[2] for w in (0, 1)]
+        for worker, g in payloads:
+            future = store.push(worker, jax.device_put({"w": g}, store.device), versions[worker])
+            try:
+                params, _, versions[worker] = future.result(timeout=30)
+                answers.append(np.array(params["w"]))
+            except BadPush:
+                answers.append(np.array(store.backup(worker)[0]["w"]))  # where the worker goes on
+                versions[worker] = store.backup(worker)[2]
+    finally:
+        store.close()
+    return answers, store.status(), np.asarray(store.final_weights()[0]["w"])
+
+
+def test_a_pipelined_store_answers_and_books_exactly_as_an_unpipelined_one():
+    # Pipelined, a push is answered before the host reads its flags: a NaN push is answered with its worker's
+    # backup (where it goes on) and booked as rejected when the next push arrives, or when the store closes.
+    g = lambda s: np.full(6, s, np.float32)
+    nan = np.array([1, np.nan, 0, 0, 0, 0], np.float32)
+    payloads = [(0, g(0.5)), (1, g(-0.25)), (1, nan), (0, g(1.0)), (1, g(0.125)), (0, nan)]
+    plain, plain_status, plain_final = _pushes(False, payloads)
+    piped, piped_status, piped_final = _pushes(True, payloads)
+    for a, b in zip(plain, piped, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(plain_final, piped_final)
+    assert (piped_status.applied, piped_status.rejected, piped_status.received) == (4, 2, 6)
+    assert piped_status._replace(times=None) == plain_status._replace(times=None)

@@ -8,8 +8,9 @@ store actor) and for the driver.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, SupportsFloat, SupportsInt
 
+import jax
 import optax
 
 from asgd_jax.trainer.config import TrainConfig
@@ -29,10 +30,12 @@ def for_run(
     model_state: Any,
     evaluates: bool,
     resume: bool | None = None,
+    in_process: bool = False,
 ) -> ParameterStore:
     """The store of a trainer run, made from its :class:`asgd_jax.TrainConfig`: its budget, output folder, checkpoints,
     snapshots for evaluation, non-finite policy and discipline. ``resume`` defaults to the config's (the Ray store
-    actor always resumes: Ray restarts it from its checkpoint)."""
+    actor always resumes: Ray restarts it from its checkpoint); ``in_process``: its workers are threads of this
+    process, whose payloads and answers stay on the devices (a plain asynchronous run is then pipelined)."""
     discipline = config.discipline
     return ParameterStore(
         rule,
@@ -51,6 +54,7 @@ def for_run(
         device=config.store_device_now(),
         threshold=discipline.threshold,
         gather=discipline.gather,
+        pipelined=in_process and discipline.kind == "async",
     )
 
 
@@ -71,7 +75,7 @@ class Endpoint:
     def __init__(self, store: ParameterStore, discipline: Discipline, timeout: float | None = None):
         self.store, self.discipline, self.timeout = store, discipline, timeout
         self._lock = threading.Lock()
-        self._losses: list[float] = []
+        self._losses: list[SupportsFloat] = []  # (an in-process worker's: still on its device)
         kind = discipline.kind
         self._push = {"ssgd": store.push_round, "rennala": store.push_gathered, "msync": store.push_gathered}.get(
             kind, self._push_async
@@ -99,7 +103,7 @@ class Endpoint:
         applied = self.store.wait_version(version, timeout)
         return -1 if self.store.closed else applied
 
-    def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
+    def push(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, loss: SupportsFloat) -> Answer:
         """Applies a push of packed buffers (or the round it completes) and answers it with packed weights."""
         try:
             weights = self._push(worker, payload, version, model_state, self.timeout, packed=True)
@@ -112,7 +116,7 @@ class Endpoint:
         except BadPush as e:
             return Answer("rejected", None, str(e))
         with self._lock:
-            self._losses.append(float(loss))
+            self._losses.append(loss)
         if self.discipline.rounds and self.store.closed:  # that was the last round: nobody computes another one
             return Answer("closed", None, self.store.status().error or "the store reached its number of updates")
         return Answer("ok", Weights(*weights))
@@ -121,7 +125,7 @@ class Endpoint:
         """The store's status, the losses pushed since the last call and the snapshots taken since (handed over)."""
         with self._lock:
             losses, self._losses = self._losses, []
-        return Progress(self.store.status(), losses, self.store.take_snapshots())
+        return Progress(self.store.status(), [float(x) for x in jax.device_get(losses)], self.store.take_snapshots())
 
     def end(self, why: str) -> None:
         """Ends the run without an error (a worker the run cannot go on without died): rounds off, store closed."""

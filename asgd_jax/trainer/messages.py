@@ -8,7 +8,7 @@ between Ray actors) is one of these: a typo is an ``AttributeError`` at once, no
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsFloat, SupportsInt
 
 __all__ = [
     "ANSWERS",
@@ -34,11 +34,12 @@ at the weights that come back, on the same minibatches)."""
 
 
 class Weights(NamedTuple):
-    """Weights a worker computes at: the parameters, the model state and the version they were pulled at."""
+    """Weights a worker computes at: the parameters, the model state and the version they were pulled at (a pipelined
+    store's answer: an int32 scalar still on the device, which the worker's computation reads as it is)."""
 
     params: Any
     model_state: Any
-    version: int
+    version: SupportsInt
 
 
 class Sync(NamedTuple):
@@ -150,12 +151,12 @@ class WorkerStats:
     data: float = 0.0
     exchange: float = 0.0
     total: float = 0.0
-    losses: list[float] = dataclasses.field(default_factory=list)
+    losses: list[SupportsFloat] = dataclasses.field(default_factory=list)
     stopped: int = 0
     wasted: float = 0.0
 
-    def add(self, *, data: float, compute: float, exchange: float, loss: float) -> None:
-        """One push: its times and its loss."""
+    def add(self, *, data: float, compute: float, exchange: float, loss: SupportsFloat) -> None:
+        """One push: its times and its loss (a device scalar while the worker runs: :meth:`settled` reads them)."""
         self.pushes += 1
         self.data, self.compute, self.exchange = self.data + data, self.compute + compute, self.exchange + exchange
         self.total += data + compute + exchange
@@ -175,6 +176,10 @@ class WorkerStats:
             self.stopped + other.stopped,
             self.wasted + other.wasted,
         )
+
+    def settled(self) -> WorkerStats:
+        """These stats with every loss a float (a worker's losses stay on its device until its loop ends)."""
+        return dataclasses.replace(self, losses=[float(x) for x in self.losses])
 
     def stop(self, seconds: float) -> None:
         """One computation stopped after ``seconds``."""

@@ -20,17 +20,28 @@ import optax
 from asgd_jax import packing, server
 from asgd_jax.trainer.messages import BadPush
 
-__all__ = ["Exchanged", "StoreState", "finite_packed", "host", "host_copy"]
+__all__ = ["Dispatched", "Exchanged", "StoreState", "finite_packed", "host", "host_copy"]
 
 
 class Exchanged(NamedTuple):
-    """One push's outcome: ``ok`` (the payload was finite and applied), its staleness, ``sound`` (the weights after it
-    are finite) and the packed answer on the host (what the worker computes at next)."""
+    """One push's outcome: ``ok`` (the payload was finite and applied), its staleness (updates since its worker's
+    pull, whether applied or not), ``sound`` (the weights after it are finite) and the packed answer on the host: what
+    the worker computes at next, its backup (the fresh weights, or the old ones of a rejected push)."""
 
     ok: bool
     staleness: int
     sound: bool
     answer: tuple
+
+
+class Dispatched(NamedTuple):
+    """A push's exchange dispatched, its outputs still on the device (nothing waited for): the flags to read
+    (:meth:`StoreState.settle`), the answer and the version it was pulled at, which the worker computes at next
+    straight from the device, before the host knows whether the push was applied."""
+
+    flags: tuple
+    answer: tuple
+    version: jax.Array
 
 
 class StoreState:
@@ -51,6 +62,7 @@ class StoreState:
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
         self.state = jax.device_put(state, device)
         self._ids = [jax.device_put(np.int32(w), device) for w in range(num_workers)]  # placed once, not per push
+        self._sharding = jax.sharding.SingleDeviceSharding(device)
         self.stateful = model_state is not None
         # Pushes and answers cross as packed buffers (one per dtype), whatever the leaf count (asgd_jax.packing).
         self.layout = packing.Layout.of(state.params)
@@ -78,15 +90,18 @@ class StoreState:
         def exchange_packed(s, w, g, ms):
             ok = finite_packed((*g, *ms))
             grads, model_state = layout.unpack(g), ms_layout.unpack(ms) if stateful else None
+            staleness = s.version - server.snapshot_version(s, w)
             # Applied at most once: a loop of ok (0 or 1) trips keeps the per-worker stacks updated in place, where
             # lax.cond made XLA copy them on every push (tests/test_store.py pins it on the compiled HLO).
-            s, staleness, _ = jax.lax.while_loop(
-                lambda c: c[2] < ok.astype(jnp.int32),
-                lambda c: (*server.exchange(rule, c[0], w, grads, model_state), c[2] + 1),
-                (s, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)),
+            s, _ = jax.lax.while_loop(
+                lambda c: c[1] < ok.astype(jnp.int32),
+                lambda c: (server.exchange(rule, c[0], w, grads, model_state)[0], c[1] + 1),
+                (s, jnp.zeros((), jnp.int32)),
             )
-            sent = answer(s, w)
-            return s, staleness, ok, finite_packed(sent[0]), sent
+            # The worker's backup: what this push's pull recorded (the very weights a pull sends), or, for a
+            # rejected push, the weights it computed at before; either way where it computes next.
+            sent = pack(*server.snapshot(s, w))
+            return s, (staleness, ok, finite_packed(sent[0])), sent, server.snapshot_version(s, w)
 
         self._exchange = jax.jit(exchange_packed, donate_argnums=0)
         self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
@@ -124,7 +139,10 @@ class StoreState:
         return None
 
     def put(self, packed: tuple) -> tuple:
-        """Packed host buffers moved to the store's device (explicitly)."""
+        """Packed buffers moved to the store's device (explicitly; those already there, a payload of a worker on
+        the store's device, stay as they are: not copied, not waited for)."""
+        if all(isinstance(x, jax.Array) and x.sharding == self._sharding for x in jax.tree.leaves(packed)):
+            return packed
         return jax.device_put(packed, self.device)
 
     @property
@@ -137,10 +155,22 @@ class StoreState:
 
     def exchange(self, worker: int, payload: tuple, model_state: tuple) -> Exchanged:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
-        worker's pull: one program, the state updated in place."""
-        self.state, *out = self._exchange(self.state, self._ids[worker], payload, model_state)
-        staleness, ok, sound, sent = host(out)  # one transfer call for the flags and the answer
+        worker's pull: one program, the state updated in place; waits for its flags and answer on the host."""
+        self.state, flags, sent, _ = self._exchange(self.state, self._ids[worker], payload, model_state)
+        (staleness, ok, sound), sent = host((flags, sent))  # one transfer call for the flags and the answer
         return Exchanged(ok.item(), staleness.item(), sound.item(), sent)
+
+    def dispatch(self, worker: int, payload: tuple, model_state: tuple) -> Dispatched:
+        """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
+        flags later; the answer goes to the worker as it is)."""
+        self.state, flags, sent, version = self._exchange(self.state, self._ids[worker], payload, model_state)
+        return Dispatched(flags, sent, version)
+
+    @staticmethod
+    def settle(dispatched: Dispatched) -> Exchanged:
+        """A dispatched exchange's flags on the host (waits for the device), its answer left where it lies."""
+        staleness, ok, sound = (x.item() for x in jax.device_get(dispatched.flags))
+        return Exchanged(ok, staleness, sound, dispatched.answer)
 
     def pull(self, worker: int) -> tuple:
         """Records ``worker``'s pull; the packed weights it computes at."""

@@ -77,6 +77,8 @@ class ParameterStore:
         used up, nothing applied, the trace says ``"ignored"``) and answered with the current weights, which become
         the worker's backup. ``None``: none is.
       gather: a round method's rounds (:class:`~asgd_jax.trainer.discipline.Gather`, :meth:`push_gathered`).
+      pipelined: answer a push with its exchange's outputs on the device, read its flags when the next one arrives
+        (:mod:`asgd_jax.trainer.applier`): for workers in this process, whose payloads stay on their devices.
 
     A trainer's store is made by :func:`asgd_jax.trainer.endpoint.for_run` from its config's
     :class:`~asgd_jax.trainer.discipline.Discipline`. Nothing fails silently: a failing trace or checkpoint write (a
@@ -103,6 +105,7 @@ class ParameterStore:
         max_nonfinite: int | None = None,
         threshold: int | None = None,
         gather: Gather | None = None,
+        pipelined: bool = False,
     ):
         errors.positive_int("num_workers", num_workers)
         self.threshold = None if threshold is None else errors.positive_int("threshold", threshold)
@@ -111,6 +114,7 @@ class ParameterStore:
         self.diverged = False  # the weights turned NaN/Inf: no checkpoint of them is written
         self.device = device or jax.devices("cpu")[0]
         self.num_workers, self.num_updates, self.on_nonfinite = num_workers, num_updates, on_nonfinite
+        self.pipelined = pipelined and threshold is None and gather is None
         self.server = StoreState(rule, params, model_state, num_workers, self.device)
         self.layout, self.model_state_layout = self.server.layout, self.server.model_state_layout
         self.ledger = Ledger(num_workers, out_dir, self._trace_failed)
@@ -144,7 +148,7 @@ class ParameterStore:
     def pull(self, worker: int, *, packed: bool = False) -> tuple[Any, Any, int]:
         """Records ``worker``'s backup; returns ``(params, model_state, version)``: the weights it computes at (host
         arrays; ``packed``: as packed buffers, :attr:`layout`'s)."""
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         with self.lock:
             return (*self.reply(self.server.pull(worker), packed), self.applied)
 
@@ -168,7 +172,7 @@ class ParameterStore:
           BadPush: at once, for a payload whose structure, shapes or dtypes do not fit the model.
           StoreClosed: when the store no longer takes pushes.
         """
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         with self.lock:
             self.ledger.received += 1
             if self._closed.is_set():
@@ -190,13 +194,13 @@ class ParameterStore:
     def push_round(self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False):
         """SSGD: ``worker``'s payload for the round at ``pulled_version``, answered when all M have sent theirs and
         their mean is applied (:meth:`asgd_jax.trainer.rounds.Rounds.push_round`)."""
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         return self.rounds.push_round(worker, payload, pulled_version, model_state, timeout, packed)
 
     def push_gathered(self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False):
         """A round method's payload (:attr:`gather`) computed at ``pulled_version``; the weights to go on at
         (:meth:`asgd_jax.trainer.rounds.Rounds.push_gathered`)."""
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         return self.rounds.push_gathered(worker, payload, pulled_version, model_state, timeout, packed)
 
     def abort_rounds(self, why: str) -> None:
@@ -217,13 +221,13 @@ class ParameterStore:
 
     def backup(self, worker: int) -> tuple[Any, Any, int]:
         """``worker``'s backup: the weights, model state and version it last pulled (w_0 and 0 before any pull)."""
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         with self.lock:
             return self.server.backup(worker)
 
     def packed_backup(self, worker: int) -> tuple[tuple, tuple, int]:
         """``worker``'s backup as packed host buffers (one program, one transfer per buffer) and its version."""
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         with self.lock:
             return self.server.packed_backup(worker)
 
@@ -236,7 +240,7 @@ class ParameterStore:
     def lower_exchange(self, worker: int, payload: Any, model_state: Any = None) -> jax.stages.Lowered:
         """The compiled exchange (push then pull) for ``worker``'s ``payload``, lowered, for inspection: what one push
         costs (``.compile().as_text()`` is its optimised HLO)."""
-        self._check_worker(worker)
+        _check_worker(worker, self.num_workers)
         packed = self.server.packed_payload(worker, payload, model_state)
         with self.lock:
             return self.server.lower(worker, *packed)
@@ -270,12 +274,14 @@ class ParameterStore:
 
     def save_checkpoint(self) -> str:
         """Writes a consistent checkpoint now (atomically); returns its path."""
+        self.applier.settle()
         with self.lock:
             contents = self.checkpoint_contents()
         return self.checkpoints.save(contents)
 
     def state(self) -> server.ServerState:
         """A consistent snapshot of the whole server state (a host copy: the store updates its own in place)."""
+        self.applier.settle()
         with self.lock:
             return host_copy(self.server.state)
 
@@ -321,10 +327,6 @@ class ParameterStore:
 
     # -- internals ----------------------------------------------------------------------------------------------------
 
-    def _check_worker(self, worker: int) -> None:
-        if not isinstance(worker, int | np.integer) or not 0 <= worker < self.num_workers:
-            raise errors.ConfigError(f"worker={worker!r} is invalid: use an int in [0, {self.num_workers}).")
-
     def checkpoint_contents(self) -> tuple:
         """What a checkpoint holds, as host copies: the state, each worker's data position, the header and books."""
         return host_copy(self.server.state), self.ledger.arrays(), {**self.header, **self.ledger.header()}
@@ -350,3 +352,8 @@ class ParameterStore:
         with self._error_lock:
             t = self._times
             self._times = t._replace(**{k: getattr(t, k) + v for k, v in seconds.items()})
+
+
+def _check_worker(worker: int, num_workers: int) -> None:
+    if not isinstance(worker, int | np.integer) or not 0 <= worker < num_workers:
+        raise errors.ConfigError(f"worker={worker!r} is invalid: use an int in [0, {num_workers}).")

@@ -52,7 +52,9 @@ def run(
     groups = device_groups(devices, config.devices_per_worker)
     spare = [d for d in devices if d not in {d for g in groups[: min(len(groups), m)] for d in g}]
     metrics, evaluator = driver.logs(config, eval_fn, eval_device or (spare or devices)[-1], on_metrics)
-    the_store = for_run(rule, params, config, header=header, model_state=model_state, evaluates=bool(eval_fn))
+    the_store = for_run(
+        rule, params, config, header=header, model_state=model_state, evaluates=bool(eval_fn), in_process=True
+    )
     endpoint = Endpoint(the_store, config.discipline, timeout=config.timeout)
     status = the_store.status()
     metrics.open(config.out, status)

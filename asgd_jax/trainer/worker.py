@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, SupportsFloat, SupportsInt
 
 import jax
 import numpy as np
@@ -58,7 +58,7 @@ class StoreLink(Protocol):
     def sync(self, worker: int) -> Sync:
         """The worker's backup and data position."""
 
-    def push(self, worker: int, payload: Any, version: int, model_state: Any, loss: float) -> Answer:
+    def push(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, loss: SupportsFloat) -> Answer:
         """A payload computed at ``version``; blocks until it is applied (or the SSGD round is)."""
 
     def pull(self, worker: int) -> Weights:
@@ -85,8 +85,8 @@ class WorkerSetup:
       stop_stale: a computation that has become this many updates stale before it is done (its straggling included)
         is stopped and restarted at the current weights on the same minibatches: Ringmaster's R with stops, 1 for
         the round methods that stop at a round's end (the run's ``Discipline.stop_stale``); ``None``: never.
-      direct: the payload goes to the store as it lies on the worker's device (a store in this process on an
-        accelerator: device to device), not through the host.
+      direct: the payload and its loss go to the store as they lie on the worker's device (a store in this
+        process: device to device, nothing waited for), not through the host.
     """
 
     worker: int
@@ -122,7 +122,7 @@ class WorkerSetup:
             layouts,
             c.slowdown.get(worker, 1.0),
             c.discipline.stop_stale,
-            in_process and c.store_device != "cpu" and not c.discipline.rounds,  # (rounds average on the host)
+            in_process and not c.discipline.rounds,  # (rounds average on the host)
         )
 
 
@@ -138,19 +138,39 @@ class WorkInputs(NamedTuple):
 
 
 class DeviceGroup:
-    """A worker's devices: the shardings of its mesh, and the run's model key placed on them once."""
+    """A worker's devices: the shardings of its mesh, and the run's model key placed on them once.
+
+    A group of one device places everything on that device (a single-device sharding, the one a store on the same
+    device answers with): weights that already lie there are not moved at all.
+    """
 
     def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array):
-        mesh = Mesh(np.array(devices), ("batch",))
-        self.replicated = NamedSharding(mesh, P())
-        self.batch_sharded = NamedSharding(mesh, P(None, "batch"))
+        if len(devices) == 1:
+            self.replicated = self.batch_sharded = jax.sharding.SingleDeviceSharding(devices[0])
+        else:
+            mesh = Mesh(np.array(devices), ("batch",))
+            self.replicated, self.batch_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "batch"))
         self.model_key = jax.device_put(model_key, self.replicated)
+        self._ids: dict[int, jax.Array] = {}
 
-    def place(self, worker: int, params, model_state, batches, version: int) -> WorkInputs:
-        """The inputs of :func:`asgd_jax.exchange.worker_function`'s function on this group; every host -> device
-        copy explicit."""
-        p, ms, v, i = jax.device_put((params, model_state, np.int32(version), np.int32(worker)), self.replicated)
-        return WorkInputs(p, ms, jax.device_put(batches, self.batch_sharded), self.model_key, v, i)
+    def place(self, worker: int, params, model_state, batches, version: SupportsInt) -> WorkInputs:
+        """The inputs of :func:`asgd_jax.exchange.worker_function`'s function on this group, in one explicit
+        transfer call: host arrays copied, arrays on another device moved, arrays already here (a pipelined store's
+        answer on this device, its version still being computed) left as they are, never waited for."""
+        if worker not in self._ids:
+            self._ids[worker] = jax.device_put(np.int32(worker), self.replicated)
+        version = version if isinstance(version, jax.Array) else np.int32(version)
+        moved = [x for x in jax.tree.leaves((params, model_state, version)) if not self._here(x)]
+        if moved:  # (a pytree with the moved leaves only: one call)
+            placed = iter(jax.device_put(moved, self.replicated))
+            params, model_state, version = jax.tree.map(
+                lambda x: x if self._here(x) else next(placed), (params, model_state, version)
+            )
+        batches = jax.device_put(batches, self.batch_sharded)
+        return WorkInputs(params, model_state, batches, self.model_key, version, self._ids[worker])
+
+    def _here(self, x: Any) -> bool:
+        return isinstance(x, jax.Array) and x.sharding == self.replicated
 
 
 def device_groups(devices: Sequence[jax.Device], per_worker: int) -> list[list[jax.Device]]:
@@ -237,9 +257,9 @@ class Worker:
                     stats.stop(time.perf_counter() - t1)
                     weights, t1 = self.link.pull(s.worker), time.perf_counter()
                     out = self.work(*self._place(weights, batches))
-                payload, model_state, loss = out[0], out[1], jax.device_get(out[2])
+                payload, model_state, loss = out[:3]
                 if not s.direct:
-                    payload, model_state = jax.device_get((payload, model_state))
+                    payload, model_state, loss = jax.device_get((payload, model_state, loss))
                 t2 = time.perf_counter()
                 answer = self.link.push(s.worker, payload, weights.version, model_state if s.stateful else None, loss)
                 t3 = time.perf_counter()
@@ -248,7 +268,7 @@ class Worker:
                     weights = answer.weights
                     continue
                 batches = None
-                stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=float(loss))
+                stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=loss)
                 if answer.status == "ok":
                     weights = answer.weights
                 elif answer.status == "closed":
@@ -260,7 +280,7 @@ class Worker:
                     weights, loader = self._start()
         finally:
             loader.close()
-        return stats
+        return stats.settled()
 
     def _done(self, out: Any, version: int, started: float, stop: threading.Event) -> bool:
         """Waits for a computation at ``version`` and, for a straggler, its extra time; False when it was stopped
