@@ -55,7 +55,9 @@ def test_the_exchange_updates_the_per_worker_stacks_in_place():
         hlo = store.lower_exchange(1, payload).compile().as_text()
     finally:
         store.close()
-    stack_copies = [line for line in hlo.splitlines() if "f32[4,64,32]" in line and " copy(" in line]
+    # Both stacks are there (the backups packed: one [4, 2048] row per worker), and neither is copied.
+    assert "f32[4,64,32]" in hlo and "f32[4,2048]" in hlo
+    stack_copies = [line for line in hlo.splitlines() if "f32[4," in line and " copy(" in line]
     assert not stack_copies, stack_copies
 
 
@@ -222,3 +224,35 @@ def test_a_pipelined_store_answers_and_books_exactly_as_an_unpipelined_one():
     np.testing.assert_array_equal(plain_final, piped_final)
     assert (piped_status.applied, piped_status.rejected, piped_status.received) == (4, 2, 6)
     assert piped_status._replace(times=None) == plain_status._replace(times=None)
+
+
+@pytest.mark.parametrize("rule_name", ["asgd", "dc_asgd_a", "dana"])
+def test_the_stored_state_is_a_few_buffers_and_steps_as_the_server_does(rule_name):
+    # 30 leaves in two dtypes: the store keeps them as a handful of buffers (what one push dispatches), and its
+    # pushes leave the state that asgd_jax.server.exchange leaves on the pytree: the same arithmetic, to the ulp
+    # (XLA:CPU contracts a multiply-add into one rounding or not depending on where an element falls in a vector
+    # loop, which packing moves: the trainer's replays are close, not bit for bit, for the same reason).
+    from asgd_jax import server
+
+    rng = np.random.default_rng(0)
+    dtypes = (np.float32, jnp.bfloat16)
+    params = {f"l{i}": rng.normal(size=(i % 5 + 1, 3)).astype(dtypes[i % 2]) for i in range(30)}
+    rule = asgd_jax.rules.get(rule_name, 0.1, **({"num_workers": 3} if rule_name == "dana" else {}))
+    store = ParameterStore(rule, params, 3)
+    reference = jax.jit(lambda p: server.init(rule, p, 3))(params)
+    step = jax.jit(lambda s, w, g: server.exchange(rule, s, w, g)[0])
+    try:
+        # A buffer per dtype for the live state and for the backups, the versions; DANA's 30 per-worker momentum
+        # tables stay leaves of their own (a push writes one row of each, in place).
+        tables = 30 if rule_name == "dana" else 0
+        assert len(jax.tree.leaves(store.server.stored)) <= 3 * len(dtypes) + 2 + tables
+        for t, worker in enumerate((0, 2, 2, 1, 0)):
+            g = jax.tree.map(lambda p, t=t: (rng.normal(size=p.shape) * (t + 1)).astype(p.dtype), params)
+            store.push(worker, g, 0).result(timeout=30)
+            reference = step(reference, np.int32(worker), g)
+        for a, b in zip(jax.tree.leaves(store.state()), jax.tree.leaves(reference), strict=True):
+            eps = float(jnp.finfo(b.dtype).eps) if jnp.issubdtype(b.dtype, jnp.floating) else 0.0
+            # (one rounding per multiply-add and step, on values of order 1)
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=16 * eps)
+    finally:
+        store.close()

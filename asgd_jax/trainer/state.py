@@ -20,7 +20,7 @@ import optax
 from asgd_jax import packing, server
 from asgd_jax.trainer.messages import BadPush
 
-__all__ = ["Dispatched", "Exchanged", "StoreState", "finite_packed", "host", "host_copy"]
+__all__ = ["Dispatched", "Exchanged", "StateLayout", "Stored", "StoreState", "finite_packed", "host", "host_copy"]
 
 
 class Exchanged(NamedTuple):
@@ -44,6 +44,95 @@ class Dispatched(NamedTuple):
     version: jax.Array
 
 
+class Stored(NamedTuple):
+    """The server state as the store keeps it on its device: a handful of buffers, whatever the model's leaf count.
+
+    Attributes:
+      live: one buffer per dtype holding the weights, the rule's state and the model state (every push rewrites
+        them).
+      backup_params: per dtype of the weights' packed form, an ``[M, size]`` stack: row m is worker m's backup,
+        exactly the packed answer it was sent (one row written per pull, in place).
+      backup_model_state: the same for the model state.
+      kept: the rule's per-worker tables (leaves with a leading axis of M), kept as they are so a push updates one
+        row of each in place.
+      backup_version: int32 ``[M]``.
+      version: int32 scalar.
+    """
+
+    live: tuple
+    backup_params: tuple
+    backup_model_state: tuple
+    kept: tuple
+    backup_version: jax.Array
+    version: jax.Array
+
+
+class StateLayout:
+    """How a :class:`asgd_jax.server.ServerState` maps to its :class:`Stored` form and back (inside programs).
+
+    A program's dispatch costs a few microseconds per argument: ResNet-20's state as a pytree is ~200 arguments per
+    push (59 leaves of weights, of backups, of a rule's moments), as :class:`Stored` under ten.
+    """
+
+    def __init__(self, state: server.ServerState, num_workers: int, layout: packing.Layout, ms_layout: packing.Layout):
+        self.layout, self.ms_layout = layout, ms_layout
+        leaves, self._opt_def = jax.tree.flatten(state.opt_state)
+        # A leaf shaped [M, *a weight's shape] is a per-worker table (a push writes one row): kept as it is.
+        shapes = {np.shape(x) for x in jax.tree.leaves(state.params)}
+        self._kept = [
+            num_workers > 1 and np.shape(x)[:1] == (num_workers,) and np.shape(x)[1:] in shapes for x in leaves
+        ]
+        live = [x for x, k in zip(leaves, self._kept, strict=True) if not k]
+        self.live = packing.Layout.of((state.params, live, state.model_state))
+
+    def load(self, st: Stored) -> server.ServerState:
+        """The state's pytrees as slices of the stored buffers (no backups: read a row with :meth:`row`)."""
+        params, live, model_state = self.live.unpack(st.live)
+        live, kept = iter(live), iter(st.kept)
+        opt_state = jax.tree.unflatten(self._opt_def, [next(kept) if k else next(live) for k in self._kept])
+        return server.ServerState(params, opt_state, model_state, None, None, st.backup_version, st.version)
+
+    def store(self, s: server.ServerState, st: Stored) -> Stored:
+        """``s``'s weights, rule state and counters written over ``st`` (its backups kept)."""
+        leaves = jax.tree.leaves(s.opt_state)
+        live = [x for x, k in zip(leaves, self._kept, strict=True) if not k]
+        kept = tuple(x for x, k in zip(leaves, self._kept, strict=True) if k)
+        packed = self.live.pack((s.params, live, s.model_state))
+        return st._replace(live=packed, kept=kept, backup_version=s.backup_version, version=s.version)
+
+    @staticmethod
+    def row(st: Stored, slot: jax.Array) -> tuple[tuple, tuple]:
+        """Worker ``slot``'s backup, packed: what it computes at."""
+        take = lambda stacks: tuple(jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in stacks)
+        return take(st.backup_params), take(st.backup_model_state)
+
+    def pull(self, rule: Any, s: server.ServerState, st: Stored, slot: jax.Array) -> Stored:
+        """:func:`asgd_jax.server.pull` on the stored form: what a pull by ``slot`` sends (the weights, or the rule's
+        look-ahead), the model state and the version recorded as its backup row, in place."""
+        put = lambda stack, x: jax.lax.dynamic_update_index_in_dim(stack, x, slot, 0)
+        sent = self.layout.pack(server.sent(rule, s.params, s.opt_state, slot))
+        return st._replace(
+            backup_params=tuple(map(put, st.backup_params, sent)),
+            backup_model_state=tuple(map(put, st.backup_model_state, self.ms_layout.pack(s.model_state))),
+            backup_version=put(s.backup_version, s.version),
+        )
+
+    def of(self, s: server.ServerState) -> Stored:
+        """A whole :class:`asgd_jax.server.ServerState` in its stored form."""
+        rows = lambda layout, stacks: tuple(jax.vmap(layout.pack)(stacks)) if layout.dtypes else ()
+        empty = Stored((), rows(self.layout, s.backup_params), rows(self.ms_layout, s.backup_model_state), (), 0, 0)
+        return self.store(s, empty)
+
+    def full(self, st: Stored) -> server.ServerState:
+        """The stored form as a whole :class:`asgd_jax.server.ServerState` (a checkpoint's, a caller's)."""
+        s = self.load(st)
+        stacks = lambda layout, rows: jax.vmap(layout.unpack)(rows) if layout.dtypes else layout.unpack(())
+        return s._replace(
+            backup_params=stacks(self.layout, st.backup_params),
+            backup_model_state=stacks(self.ms_layout, st.backup_model_state),
+        )
+
+
 class StoreState:
     """A server state on ``device`` and its compiled programs (see the module's docstring).
 
@@ -60,7 +149,6 @@ class StoreState:
         with jax.default_device(device):
             params, model_state = jax.device_put((params, model_state), device)  # explicit, never implicit
             state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
-        self.state = jax.device_put(state, device)
         self._ids = [jax.device_put(np.int32(w), device) for w in range(num_workers)]  # placed once, not per push
         self._sharding = jax.sharding.SingleDeviceSharding(device)
         self.stateful = model_state is not None
@@ -70,45 +158,67 @@ class StoreState:
         self._structure = jax.tree.structure(state.params)
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self.sends = server.has_pull(rule)  # a pull-side rule answers with a look-ahead, not the server's weights
+        self.stored_layout = StateLayout(state, num_workers, self.layout, self.model_state_layout)
         self._compile(rule)
+        self.stored: Stored = self._of(jax.device_put(state, device))
 
     def _compile(self, rule: optax.GradientTransformation) -> None:
         """The very same server step the simulator scans, jitted for the store's device, on packed pushes.
 
         One program per push: the payload's leaves are slices of its packed buffers, the finite check is an output
         (a payload with NaN/Inf leaves the state as it was), and so are the staleness and the answer: what the worker
-        computes at next, packed, with its own finite check (weights that turned NaN/Inf). The state is donated: the
-        server updates weights, rule state and the M backups in place instead of copying (M + 2) x params per push
-        (benchmarks/trainer_overhead.py, store_push.py).
+        computes at next, packed, with its own finite check (weights that turned NaN/Inf). The state is kept and
+        donated in its :class:`Stored` form: a few buffers to dispatch, updated in place (the weights, the rule's
+        state and one backup row; not the M backups, benchmarks/store_push.py).
         """
-        layout, ms_layout, stateful = self.layout, self.model_state_layout, self.stateful
-        pack = lambda params, model_state: (layout.pack(params), ms_layout.pack(model_state if stateful else {}))
+        layout, ms_layout, stateful, sl = self.layout, self.model_state_layout, self.stateful, self.stored_layout
 
-        def answer(s, w):  # what a pull by w sends (a pull-side rule's look-ahead is its backup), packed
-            return pack(*(server.snapshot(s, w) if server.has_pull(rule) else (s.params, s.model_state)))
-
-        def exchange_packed(s, w, g, ms):
+        def exchange_packed(st: Stored, w, g, ms):
             ok = finite_packed((*g, *ms))
             grads, model_state = layout.unpack(g), ms_layout.unpack(ms) if stateful else None
-            staleness = s.version - server.snapshot_version(s, w)
+            staleness = st.version - jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False)
+            # The stale row, read before the loop that writes that row: read inside, XLA may fuse the read into the
+            # row's write and copy the whole M-row stack to order the two (tests/test_store.py pins the HLO).
+            stale = layout.unpack(sl.row(st, w)[0])
+
+            def push_then_pull(c):  # asgd_jax.server.exchange, on the stored form
+                st, trips = c
+                s, _ = server.push(rule, sl.load(st), w, grads, model_state, stale_params=stale)
+                return sl.pull(rule, s, sl.store(s, st), w), trips + 1
+
             # Applied at most once: a loop of ok (0 or 1) trips keeps the per-worker stacks updated in place, where
             # lax.cond made XLA copy them on every push (tests/test_store.py pins it on the compiled HLO).
-            s, _ = jax.lax.while_loop(
-                lambda c: c[1] < ok.astype(jnp.int32),
-                lambda c: (server.exchange(rule, c[0], w, grads, model_state)[0], c[1] + 1),
-                (s, jnp.zeros((), jnp.int32)),
+            st, _ = jax.lax.while_loop(
+                lambda c: c[1] < ok.astype(jnp.int32), push_then_pull, (st, jnp.zeros((), jnp.int32))
             )
             # The worker's backup: what this push's pull recorded (the very weights a pull sends), or, for a
             # rejected push, the weights it computed at before; either way where it computes next.
-            sent = pack(*server.snapshot(s, w))
-            return s, (staleness, ok, finite_packed(sent[0])), sent, server.snapshot_version(s, w)
+            sent = sl.row(st, w)
+            version = jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False)
+            return st, (staleness, ok, finite_packed(sent[0])), sent, version
+
+        def answer(st: Stored, w):  # what a pull by w would send (nothing recorded)
+            s = sl.load(st)
+            return layout.pack(server.sent(rule, s.params, s.opt_state, w)), ms_layout.pack(s.model_state)
+
+        def backup(st: Stored, w):
+            return (*sl.row(st, w), jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False))
 
         self._exchange = jax.jit(exchange_packed, donate_argnums=0)
-        self._pull = jax.jit(lambda s, w: server.pull(s, w, rule=rule))
+        self._pull = jax.jit(lambda st, w: sl.pull(rule, sl.load(st), st, w), donate_argnums=0)
         self._answer = jax.jit(answer)
-        self._backup = jax.jit(lambda s, i: (*server.snapshot(s, i), server.snapshot_version(s, i)))
-        self._packed_backup = jax.jit(lambda s, i: (*pack(*server.snapshot(s, i)), server.snapshot_version(s, i)))
-        self._weights = jax.jit(lambda s: pack(s.params, s.model_state))
+        self._packed_backup = jax.jit(backup)
+        self._backup = jax.jit(lambda st, w: (layout.unpack(sl.row(st, w)[0]), ms_layout.unpack(sl.row(st, w)[1])))
+        self._weights = jax.jit(
+            lambda st: (lambda s: (layout.pack(s.params), ms_layout.pack(s.model_state)))(sl.load(st))
+        )
+        self._of, self._full = jax.jit(sl.of), jax.jit(sl.full)
+
+    @property
+    def state(self) -> server.ServerState:
+        """The whole server state as a :class:`asgd_jax.server.ServerState` on the store's device (a fresh copy:
+        what a checkpoint holds)."""
+        return self._full(self.stored)
 
     # -- payloads in -------------------------------------------------------------------------------------------------
 
@@ -156,14 +266,14 @@ class StoreState:
     def exchange(self, worker: int, payload: tuple, model_state: tuple) -> Exchanged:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
         worker's pull: one program, the state updated in place; waits for its flags and answer on the host."""
-        self.state, flags, sent, _ = self._exchange(self.state, self._ids[worker], payload, model_state)
+        self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], payload, model_state)
         (staleness, ok, sound), sent = host((flags, sent))  # one transfer call for the flags and the answer
         return Exchanged(ok.item(), staleness.item(), sound.item(), sent)
 
     def dispatch(self, worker: int, payload: tuple, model_state: tuple) -> Dispatched:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
         flags later; the answer goes to the worker as it is)."""
-        self.state, flags, sent, version = self._exchange(self.state, self._ids[worker], payload, model_state)
+        self.stored, flags, sent, version = self._exchange(self.stored, self._ids[worker], payload, model_state)
         return Dispatched(flags, sent, version)
 
     @staticmethod
@@ -174,26 +284,27 @@ class StoreState:
 
     def pull(self, worker: int) -> tuple:
         """Records ``worker``'s pull; the packed weights it computes at."""
-        self.state = self._pull(self.state, self._ids[worker])
-        return host(self._answer(self.state, self._ids[worker]))
+        self.stored = self._pull(self.stored, self._ids[worker])
+        return host(self._packed_backup(self.stored, self._ids[worker])[:2])
 
     def answer(self, worker: int) -> tuple:
         """What a pull by ``worker`` would send, packed on the host (nothing recorded)."""
-        return host(self._answer(self.state, self._ids[worker]))
+        return host(self._answer(self.stored, self._ids[worker]))
 
     def backup(self, worker: int) -> tuple[Any, Any, int]:
         """``worker``'s backup as pytrees (device arrays) and its version."""
-        params, model_state, version = self._backup(self.state, self._ids[worker])
-        return params, model_state, int(jax.device_get(version))
+        params, model_state = self._backup(self.stored, self._ids[worker])
+        version = self._packed_backup(self.stored, self._ids[worker])[2]
+        return params, model_state if self.stateful else {}, int(jax.device_get(version))
 
     def packed_backup(self, worker: int) -> tuple[tuple, tuple, int]:
         """``worker``'s backup as packed host buffers (one program, one transfer per buffer) and its version."""
-        params, model_state, version = self._packed_backup(self.state, self._ids[worker])
+        params, model_state, version = self._packed_backup(self.stored, self._ids[worker])
         return *host((params, model_state)), int(jax.device_get(version))
 
     def weights(self) -> tuple:
         """The server's own weights, packed on the host (a pull-side rule's answer is a look-ahead instead)."""
-        return host(self._weights(self.state))
+        return host(self._weights(self.stored))
 
     def unpack(self, packed: tuple) -> tuple[Any, Any]:
         """Packed ``(params, model_state)`` host buffers as the model's pytrees (views, no copy)."""
@@ -204,23 +315,23 @@ class StoreState:
     def warm_up(self) -> None:
         """Compiles the exchange and the lookups now, the exchange on a scratch copy of the state (donated; the live
         state is untouched) and a zero payload made on the device."""
-        scratch = jax.jit(lambda st: jax.tree.map(jnp.copy, st))(self.state)
+        scratch = jax.jit(lambda st: jax.tree.map(jnp.copy, st))(self.stored)
         g, ms = self.put(self.zeros)
         jax.block_until_ready(self._exchange(scratch, self._ids[0], g, ms))
-        jax.block_until_ready(self._backup(self.state, self._ids[0]))
-        jax.block_until_ready(self._weights(self.state))
+        jax.block_until_ready(self._packed_backup(self.stored, self._ids[0]))
+        jax.block_until_ready(self._weights(self.stored))
 
     def lower(self, worker: int, payload: tuple, model_state: tuple) -> jax.stages.Lowered:
         """The exchange for a packed payload, lowered (``.compile().as_text()`` is its optimised HLO)."""
-        return self._exchange.lower(self.state, self._ids[worker], *self.put((payload, model_state)))
+        return self._exchange.lower(self.stored, self._ids[worker], *self.put((payload, model_state)))
 
     def lost(self) -> bool:
         """Whether a failing exchange consumed the donated state."""
-        return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self.state))
+        return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self.stored))
 
     def restore(self, state: server.ServerState) -> None:
         """Replaces the state with a checkpoint's (moved to the store's device)."""
-        self.state = jax.device_put(state, self.device)
+        self.stored = self._of(jax.device_put(state, self.device))
 
 
 def host(packed: Any) -> Any:

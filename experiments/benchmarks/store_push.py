@@ -77,7 +77,8 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
         push()
         one = median_us(push, n)
         compiled = store.lower_exchange(0, payload).compile()
-        state = [jax.device_put(store.state(), store.device)]
+        store.state()  # (settled: nothing in flight)
+        state = [jax.device_put(jax.device_get(store.server.stored), store.device)]  # a copy, in the stored form
         g = jax.device_put(payload, store.device)
         worker = jax.device_put(np.int32(0), store.device)
 
