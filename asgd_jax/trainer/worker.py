@@ -185,7 +185,10 @@ def device_groups(devices: Sequence[jax.Device], per_worker: int) -> list[list[j
 
 
 def stack_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """A worker's ``n_sync`` minibatches stacked on a leading axis (what the exchange period takes)."""
+    """A worker's ``n_sync`` minibatches stacked on a leading axis (what the exchange period takes; one minibatch
+    is a view of itself, not a copy)."""
+    if len(batches) == 1:
+        return {k: v[None] for k, v in batches[0].items()}
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
 
 
