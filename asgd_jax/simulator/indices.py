@@ -1,0 +1,40 @@
+"""The data order a run reads: per-shard minibatches, re-partitioned every epoch.
+
+Worker (shard) s draws minibatches from its own shard. A shard's j-th batch belongs to its epoch ``j // K``; in epoch e
+the shards are consecutive slices of one keyed random permutation of the data (:mod:`asgd_jax.order`).
+:func:`shard_indices` is one epoch's layout (for users and tests); :func:`batch_indices` gives the example indices a
+chunk's schedule reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asgd_jax import exchange, order
+from asgd_jax.exchange import Exchange
+
+
+def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num_shards: int) -> jax.Array:
+    """The example indices of every shard in one epoch of the run keyed ``key``: ``[num_shards, N // num_shards]``.
+
+    Shard s's k-th minibatch of the epoch is ``shard_indices(...)[s, k * batch_size : (k + 1) * batch_size]``; the
+    layout is :func:`asgd_jax.order.shard_indices` under the run's data key.
+
+    Example:
+      >>> import jax, asgd_jax
+      >>> idx = asgd_jax.simulator.shard_indices(jax.random.key(0), epoch=0, num_examples=10, num_shards=3)
+      >>> idx.shape, len(set(idx.ravel().tolist()))
+      ((3, 3), 9)
+    """
+    return order.shard_indices(exchange.split_key(key)[0], epoch, num_examples=num_examples, num_shards=num_shards)
+
+
+def batch_indices(data_words: jax.Array, ex: Exchange, shard: jax.Array, taken: jax.Array) -> jax.Array:
+    """Example indices of shard ``shard``'s ``taken``-th minibatch, ``[..., batch]`` for int arrays ``shard`` and
+    ``taken`` of one shape (each minibatch in its own epoch)."""
+    per_epoch = ex.shard_size // ex.batch_size
+    epoch, k = taken // per_epoch, taken % per_epoch
+    start = shard * ex.shard_size + k * ex.batch_size
+    positions = start[..., None] + jnp.arange(ex.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
+    return order.example_index(data_words, epoch, positions, ex.num_examples)
