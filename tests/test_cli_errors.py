@@ -242,7 +242,8 @@ def test_ctrl_c_while_the_command_starts_jax_exits_130(tmp_path):
     """A real process, interrupted as soon as it says it is loading (JAX starting, then compiling): whenever the
     signal lands, the command ends with 130 instead of training to its end."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ASGD_JAX_CACHE_DIR="off")
-    command = [sys.executable, "-m", "asgd_jax", "train", "--workers", "2", "--num-updates", "1000000"]
+    command = [sys.executable, "-m", "asgd_jax", "train", "--dataset", "digits", "--workers", "2"]
+    command += ["--num-updates", "1000000"]
     run = subprocess.Popen(
         [*command, "--no-progress", "--out", str(tmp_path / "run")],
         cwd=REPO,

@@ -12,6 +12,7 @@ from asgd_jax.trainer.persistence import ADDED_LATER, check_header
 pytestmark = pytest.mark.xdist_group("resume_settings")  # one worker trains the module's run once
 
 BASE = ["train", "--dataset", "digits", "--model", "mlp", "--workers", "2", "--checkpoint-every", "10"]
+BASE += ["--lr", "0.1", "--schedule", "constant"]  # (a schedule other than the run's is refused below)
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ def test_a_second_train_on_a_running_runs_folder_exits_2_in_one_line_and_the_fir
                 break
             subprocess.run(["sleep", "0.1"], check=True)
         assert first.poll() is None, "the first run ended before the second started"
-        assert main(["train", "--workers", "2", "--num-updates", "5", "--no-progress", "--out", str(out)]) == 2
+        argv = ["train", "--dataset", "digits", "--workers", "2", "--num-updates", "5", "--no-progress"]
+        assert main([*argv, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert f"is in use by another run (process {first.pid})" in err and len(err.strip().splitlines()) == 1
         assert first.poll() is None  # still running, its files its own

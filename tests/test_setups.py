@@ -131,7 +131,7 @@ def test_weight_decay_is_the_rule_on_the_regularised_gradient_and_keeps_a_pull_r
 
 def test_the_trainer_and_a_study_share_the_loss_and_the_evaluation():
     ds = asgd_jax.data.load("digits")
-    args = _args("--model", "cnn", "--augment", "--eval-crop", "6", "--eval-multi-crop")
+    args = _args("--dataset", "digits", "--model", "cnn", "--augment", "--eval-crop", "6", "--eval-multi-crop")
     setup = cli.setup_of(args)
     settings = studies.Settings(**setups.Setup.setup_fields(setup))
     model = setup.build_model(ds.num_classes, ds.input_shape)

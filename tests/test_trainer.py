@@ -154,7 +154,8 @@ def test_cli_train_config_file_resume_and_warm_start(tmp_path, capsys):
 
     config = tmp_path / "run.toml"
     config.write_text(
-        'dataset = "digits"\nmodel = "mlp"\nrule = "dc_asgd_a"\nworkers = 3\nbatch-size = 8\n'
+        'dataset = "digits"\nmodel = "mlp"\nrule = "dc_asgd_a"\nlr = 0.1\nschedule = "constant"\nworkers = 3\n'
+        "batch-size = 8\n"
         "steps = 100\neval_every = 10\nno_progress = true\n"
     )
     out = tmp_path / "run"

@@ -86,7 +86,8 @@ def test_the_training_script_runs_ringmaster_with_stops(tmp_path, capsys):
 
     out = tmp_path / "run"
     argv = ["train", "--dataset", "digits", "--model", "mlp", "--workers", "3", "--batch-size", "8", "--steps", "30"]
-    argv += ["--ringmaster", "2", "--stops", "--slowdown", "0:1000000", "--no-progress", "--out", str(out)]
+    argv += ["--lr", "0.1", "--schedule", "constant", "--ringmaster", "2", "--stops", "--slowdown", "0:1000000"]
+    argv += ["--no-progress", "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())

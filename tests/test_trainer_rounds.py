@@ -105,6 +105,7 @@ def test_the_training_script_runs_the_round_methods(tmp_path, capsys):
     from asgd_jax.cli import main
 
     base = ["train", "--dataset", "digits", "--model", "mlp", "--workers", "3", "--batch-size", "8", "--steps", "20"]
+    base += ["--lr", "0.1", "--schedule", "constant"]
     assert main([*base, "--msync", "2", "--no-progress", "--out", str(tmp_path / "m")]) == 0
     summary = json.loads((tmp_path / "m" / "summary.json").read_text())
     assert summary["pushes_applied"] == 20

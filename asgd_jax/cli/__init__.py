@@ -28,7 +28,7 @@ from asgd_jax.cli.ablate import add_ablate as _add_ablate
 from asgd_jax.cli.flags import Defaults
 from asgd_jax.cli.prepare import add_data as _add_data
 from asgd_jax.cli.run import add_run as _add_run
-from asgd_jax.cli.train import MODEL_FLAGS, PLAN_FLAGS, SETUP_FLAGS, setup_of, train_rule
+from asgd_jax.cli.train import MODEL_FLAGS, PLAN_FLAGS, SETUP_FLAGS, setup_of, train_config, train_rule
 from asgd_jax.cli.train import add_train as _add_train
 from asgd_jax.cli.train import keep_the_driver_on_the_cpu as _keep_the_driver_on_the_cpu  # noqa: F401 (its name before)
 from asgd_jax.configs import config_path, load_config, shipped_configs
@@ -45,6 +45,7 @@ __all__ = [
     "parse",
     "setup_of",
     "shipped_configs",
+    "train_config",
     "train_rule",
 ]
 

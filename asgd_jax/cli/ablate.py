@@ -6,13 +6,16 @@ import argparse
 from collections.abc import Sequence
 
 from asgd_jax import errors
-from asgd_jax.cli.flags import Defaults
+from asgd_jax.cli.flags import Defaults, dataset_help
 
 __all__ = ["add_ablate"]
 
 
 def add_ablate(sub) -> None:
+    from asgd_jax import delays, models, studies
     from asgd_jax.experiments._dcasgd import ALGORITHMS
+
+    s = studies.load("dcasgd_table1").form("ablate")  # what asgd_jax.studies.ablate runs, the flags' defaults
 
     p = sub.add_parser(
         "ablate",
@@ -26,29 +29,31 @@ def add_ablate(sub) -> None:
     )
     p.add_argument("--quick", action="store_true", help="3 seeds and 15 epochs instead of 5 and 40 (~1 min on 2 cores)")
     p.add_argument("--out", default="results/ablation", help="output folder")
-    p.add_argument("--dataset", default="mnist1d", help="mnist1d, digits or tfds:<name> (e.g. tfds:cifar10)")
-    p.add_argument("--data-dir", default=None, help="TFDS data directory [$TFDS_DATA_DIR or ~/tensorflow_datasets]")
-    p.add_argument("--model", default="mlp", help="model: mlp, cnn, resnet20, ...")
-    p.add_argument("--workers", nargs="+", default=["1", "4", "8"], help="worker counts, e.g. 1 4 8 or 1,4,8")
+    p.add_argument("--dataset", default=s.dataset, help=dataset_help())
+    p.add_argument(
+        "--data-dir", default=s.data_dir, help="TFDS data directory [$TFDS_DATA_DIR or ~/tensorflow_datasets]"
+    )
+    p.add_argument("--model", default=s.model, choices=list(models.MODELS), help="the model, by name")
+    p.add_argument("--workers", nargs="+", default=list(map(str, s.workers)), help="worker counts, e.g. 1 4 8 or 1,4,8")
     p.add_argument(
         "--algorithms",
         nargs="+",
-        default=list(ALGORITHMS),
+        default=list(s.algorithms),
         choices=list(ALGORITHMS),
         metavar="ALGO",
         help=f"a subset of {' '.join(ALGORITHMS)}",
     )
     p.add_argument("--seeds", type=int, default=None, help="number of seeds [5; --quick: 3]")
     p.add_argument("--epochs", type=float, default=None, help="effective epochs per run [40; --quick: 15]")
-    p.add_argument("--batch-size", type=int, default=32, help="minibatch per worker")
-    p.add_argument("--lr", type=float, default=0.5, help="initial learning rate (/10 at 50%% and 75%%)")
-    p.add_argument("--lam-c", type=float, default=0.04, help="DC-ASGD-c lambda_0")
-    p.add_argument("--lam-a", type=float, default=2.0, help="DC-ASGD-a lambda_0")
-    p.add_argument("--momentum", type=float, default=None, help="momentum for every algorithm [none]")
+    p.add_argument("--batch-size", type=int, default=s.batch_size, help="minibatch per worker")
+    p.add_argument("--lr", type=float, default=s.learning_rate, help="initial learning rate (/10 at 50%% and 75%%)")
+    p.add_argument("--lam-c", type=float, default=s.lam_c, help="DC-ASGD-c lambda_0")
+    p.add_argument("--lam-a", type=float, default=s.lam_a, help="DC-ASGD-a lambda_0")
+    p.add_argument("--momentum", type=float, default=s.momentum, help="momentum for every algorithm [none]")
     p.add_argument(
         "--compute-time",
-        default="exponential",
-        choices=["exponential", "constant", "lognormal"],
+        default=s.compute_time,
+        choices=list(delays.COMPUTE_TIME_KINDS),
         help="the workers' compute-time distribution",
     )
     p.add_argument("--window", type=int, default=None, help="training-error smoothing window [400; --quick: 100]")

@@ -10,6 +10,8 @@ __all__ = ["add_data"]
 
 
 def add_data(sub) -> None:
+    from asgd_jax import data
+
     p = sub.add_parser("data", help="prepare TFDS datasets", description="Dataset management.")
     data_sub = p.add_subparsers(title="commands", metavar="COMMAND")
     prep = data_sub.add_parser(
@@ -21,7 +23,7 @@ def add_data(sub) -> None:
         ),
         formatter_class=Defaults,
     )
-    prep.add_argument("name", help="cifar10, mnist, fashion_mnist, imagenet2012, or any TFDS name[:config]")
+    prep.add_argument("name", help=f"{', '.join(data.TFDS_DOCUMENTED)}, or any TFDS name[:config]")
     prep.add_argument("--data-dir", default=None, help="where to write [$TFDS_DATA_DIR or ~/tensorflow_datasets]")
     prep.add_argument("--manual-dir", default=None, help="folder with manually downloaded archives (ImageNet)")
     prep.set_defaults(func=_prepare)

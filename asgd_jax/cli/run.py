@@ -14,6 +14,8 @@ __all__ = ["add_run"]
 
 
 def add_run(sub) -> None:
+    from asgd_jax import studies
+
     p = sub.add_parser(
         "run",
         help="run a reproduction study (dcasgd_table1, gpu_asgd_nsync, ... or a study file) in the simulator",
@@ -39,7 +41,7 @@ def add_run(sub) -> None:
         action="store_true",
         help="replace what --out holds: another study's (or other settings') results, or an unfinished run",
     )
-    p.add_argument("--backend", default="local", choices=("local", "ray"), help="ray: each arm a task on a cluster")
+    p.add_argument("--backend", default="local", choices=studies.BACKENDS, help="ray: each arm a task on a cluster")
     p.add_argument("--ray-address", default=None, help="the Ray cluster to join ('auto': the local `ray start`)")
     p.add_argument(
         "--widen",

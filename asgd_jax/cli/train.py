@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asgd_jax import errors
-from asgd_jax.cli.flags import Defaults
+from asgd_jax.cli.flags import Defaults, dataset_help
 from asgd_jax.configs import resume_flag as _resume_flag
 from asgd_jax.configs import shipped_configs
 from asgd_jax.configs import table as _table
@@ -26,6 +26,7 @@ __all__ = [
     "add_train",
     "keep_the_driver_on_the_cpu",
     "setup_of",
+    "train_config",
     "train_rule",
 ]
 
@@ -82,7 +83,7 @@ def _add_method_flags(a) -> None:
 
 
 def add_train(sub) -> None:
-    from asgd_jax import rules, setups
+    from asgd_jax import models, rules, setups
     from asgd_jax.plan import MODES, PUSHES
     from asgd_jax.trainer.config import FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
@@ -104,24 +105,24 @@ def add_train(sub) -> None:
     actions: list[argparse.Action] = []
     a = lambda *names, **kw: actions.append(p.add_argument(*names, **kw))
     a("--config", default=None, help="TOML or JSON file of flag values (e.g. workers = 4), or a shipped setup's name")
-    a("--dataset", default="digits", help="mnist1d, digits or tfds:<name>")
-    a("--data-dir", default=None, help="TFDS data directory")
-    a("--model", default="mlp", help="mlp, cnn, resnet20, convnet, ...")
-    a("--model-options", type=_table, default={}, help="model options as JSON, e.g. '{\"width\": 0.25}'")
+    a("--dataset", default=ds.dataset, help=dataset_help())
+    a("--data-dir", default=ds.data_dir, help="TFDS data directory")
+    a("--model", default=ds.model, choices=list(models.MODELS), help="the model, by name")
+    a("--model-options", type=_table, default=ds.model_options, help="model options as JSON, e.g. '{\"width\": 0.25}'")
     a("--dtype", default=ds.dtype, choices=setups.DTYPES, help="bfloat16: compute in bf16, float32 weights")
     a("--rule", default="dc_asgd_a", choices=rules.names(), help="the server's update rule")
-    a("--lr", type=float, default=0.1, help="the server's (peak) learning rate")
-    a("--schedule", default="constant", choices=setups.SCHEDULES, help="the learning rate's schedule")
+    a("--lr", type=float, default=ds.learning_rate, help="the server's (peak) learning rate")
+    a("--schedule", default=ds.schedule, choices=setups.SCHEDULES, help="the learning rate's schedule")
     a("--decay-at", nargs="+", type=float, default=list(ds.decay_at), help="step decays, in --unit")
     a("--decay-factor", type=float, default=ds.decay_factor, help="step factor, or cosine's final fraction")
     a("--warmup", type=float, default=ds.warmup, help="linear warm-up, in --unit")
     a("--unit", default=ds.unit, choices=setups.UNITS, help="what --decay-at and --warmup count")
     a("--lam", type=float, default=None, help="DC-ASGD lambda_0 [the rule's: 0.04 for -c, 2 for -a]")
-    a("--momentum", type=float, default=None, help="momentum of the rule [none]")
+    a("--momentum", type=float, default=ds.momentum, help="momentum of the rule [none]")
     a("--weight-decay", type=float, default=ds.weight_decay, help="L2 weight decay, chained before the rule")
     a("--augment", action=argparse.BooleanOptionalAction, default=ds.augment, help="random crop and flip")
-    a("--eval-crop", type=int, default=None, help="evaluate on the central N x N crop")
-    a("--eval-multi-crop", action=argparse.BooleanOptionalAction, default=False, help="average ten crops")
+    a("--eval-crop", type=int, default=ds.eval_crop, help="evaluate on the central N x N crop")
+    a("--eval-multi-crop", action=argparse.BooleanOptionalAction, default=ds.eval_multi_crop, help="average ten crops")
     a("--warm-start", default=None, metavar="MODEL", help="start from a saved model.npz (or a run folder)")
     a("--workers", type=int, default=dp.workers, help="M workers")
     _add_method_flags(a)
@@ -189,7 +190,9 @@ def _parse_slowdown(values: Sequence[str] | None) -> dict[int, float]:
 PLAN_FLAGS = ("num_updates", "batch_size", "mode", "n_sync", "push", "local_lr", "eval_every", "checkpoint_every")
 
 
-def _train_config(args: argparse.Namespace):
+def train_config(args: argparse.Namespace):
+    """The run's :class:`asgd_jax.trainer.TrainConfig`, its :class:`asgd_jax.plan.Plan` within, from the flags
+    (validated: every flag named)."""
     from asgd_jax import delays
     from asgd_jax.plan import Plan
     from asgd_jax.trainer.config import TrainConfig
@@ -278,7 +281,7 @@ def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    config = _train_config(args)  # every flag checked before anything loads
+    config = train_config(args)  # every flag checked before anything loads
     setup = setup_of(args)
     train_rule(args, setup, config.plan)  # the rule's flags too (the schedule is made again once the data is known)
     if config.backend == "ray":
