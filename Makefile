@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/asgd-jax ablate --quick --model cnn --lr 0.2 --epochs 10 --out results/demo
 
+# The house rules first (seconds), then the suite.
 test: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 --nbmake tests notebooks
 
 STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync speedup_model heterogeneous_workers \

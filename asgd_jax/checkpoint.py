@@ -32,7 +32,7 @@ _HEADER = "__header__"
 def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
     """Writes ``state`` (a pytree of arrays), extra host ``arrays`` and a JSON ``header`` atomically to ``path``."""
     leaves = jax.device_get(jax.tree.leaves(state))
-    payload = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
+    payload: dict[str, Any] = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
     payload.update({f"array_{k}": np.asarray(v) for k, v in arrays.items()})
     payload[_HEADER] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     _atomic_write(path, ".npz", "wb", lambda f: np.savez(f, **payload))

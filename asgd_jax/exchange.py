@@ -194,7 +194,7 @@ def worker_function(
     same arithmetic either way (the replay tests hold for both)."""
     layout, state_layout = layouts
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
-    local_lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
+    lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
 
     def model_key(k, v, w):  # the update's model key is made on the device from explicit inputs
         # SSGD splits the update's key over the workers; an asynchronous worker folds in the version it pulled, then
@@ -204,7 +204,7 @@ def worker_function(
 
     def run(p, ms, b, k, v, w):
         payload, ms, value, aux = work(
-            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), local_lr
+            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr
         )
         return layout.pack(payload), state_layout.pack(ms), value, aux
 
@@ -218,7 +218,7 @@ def worker_function(
 
     def one_step(params0, key, carry, batches, i):
         batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
-        return _local_step(grad_fn, ex, params0, key, local_lr, carry, (batch, i))
+        return _local_step(grad_fn, ex, params0, key, lr, carry, (batch, i))
 
     step = jax.jit(one_step)
 
@@ -266,7 +266,7 @@ def eval_parts(eval_fn: Callable) -> tuple[Callable, Any]:
     """``eval_fn`` as ``(evaluate(params, model_state, data) -> dict, data)``: an evaluation that carries its data
     (:class:`asgd_jax.models.Evaluation`) hands it over, so a compiled program takes the held-out split as an argument
     instead of a constant; any other ``eval_fn(params, model_state)`` is taken as it is (with no data)."""
-    if callable(getattr(eval_fn, "evaluate", None)) and hasattr(eval_fn, "data"):
+    if hasattr(eval_fn, "evaluate") and callable(eval_fn.evaluate) and hasattr(eval_fn, "data"):
         return eval_fn.evaluate, eval_fn.data
     return (lambda params, model_state, data: eval_fn(params, model_state)), None
 

@@ -94,10 +94,8 @@ class Layout:
 
     def unpack_host(self, buffers: Packed) -> Any:
         """The pytree of packed host ``buffers``, each leaf a view of its buffer (no copy)."""
-        buffers = [np.asarray(b) for b in buffers]
-        return jax.tree.unflatten(
-            self.treedef, [buffers[k][o : o + n].reshape(shape) for k, o, n, shape in self.leaves]
-        )
+        host = [np.asarray(b) for b in buffers]
+        return jax.tree.unflatten(self.treedef, [host[k][o : o + n].reshape(shape) for k, o, n, shape in self.leaves])
 
     def misfit(self, buffers: Any) -> str | None:
         """Why ``buffers`` are not this layout's packed form (their number, shapes or dtypes), or None."""

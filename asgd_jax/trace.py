@@ -41,7 +41,8 @@ class Record(NamedTuple):
     """One applied push, as the server saw it."""
 
     worker: int
-    workers: int  # M, so that a reader knows it even if the last worker never pushed
+    workers: int | None  # M, so that a reader knows it even if the last worker never pushed (None: a hand-written
+    # trace that never says; the readers take the count from the workers seen)
     pulled_version: int
     applied_version: int
     staleness: int
@@ -154,9 +155,9 @@ def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) 
     if not isinstance(fields, dict) or "worker" not in fields:
         raise errors.ConfigError(f"{where}: not a trace record with a 'worker' field.")
     bad = lambda name, allowed: errors.ConfigError(f"{where}: {name}={fields.get(name)!r} is not {allowed}.")
-    ints = {}
+    ints: dict[str, Any] = {}  # (each an int, or None where the record leaves it out)
     for name, lowest in (("worker", 0), ("workers", 1), ("pulled_version", 0), ("applied_version", 0)):
-        value = fields.get(name, None if name != "worker" else fields["worker"])
+        value: Any = fields.get(name, None if name != "worker" else fields["worker"])
         if value is None and name != "worker":
             ints[name] = None
             continue
@@ -174,7 +175,7 @@ def parse(line: str, where: str, workers: int | None = None, time: float = 0.0) 
         if not isinstance(value, bool):
             raise bad(name, "true or false")
     members = fields.get("round")
-    skips = fields.get("round_skips", [0] * len(members) if isinstance(members, list) else None)
+    skips: Any = fields.get("round_skips", [0] * len(members) if isinstance(members, list) else None)
     if members is not None:
         top = ints["workers"] or workers
         if not isinstance(members, list) or not members or not all(errors.is_int(w) and w >= 0 for w in members):
@@ -275,17 +276,20 @@ def read(path: str | os.PathLike) -> Read:
 def _read_rounds(path, records: list[Record], num: int | None) -> Read:
     """A round method's trace: each applied round's workers and skips (its payloads' minibatch periods used before
     them: the round's own count of ignored gradients, and the payloads of rounds rejected as NaN/Inf since)."""
-    rounds, skips, times, used = [], [], [], {}
+    rounds: list = []
+    skips: list = []
+    times: list = []
+    used: dict[int, int] = {}
     for record in records:
         if record.round is None:
             if record.ignored:  # counted in the next round's skips by the store
                 continue
             raise errors.ConfigError(f"{path} mixes rounds and single pushes: not one run's trace.")
         if record.rejected:  # a NaN/Inf round: its payloads' minibatches used up, skipped before their next ones
-            for w, k in zip(record.round, record.round_skips, strict=True):
+            for w, k in zip(record.round, record.round_skips or (), strict=True):
                 used[w] = used.get(w, 0) + 1 + k
             continue
-        skip = list(record.round_skips)
+        skip = list(record.round_skips or ())
         for j, w in enumerate(record.round):
             if record.round.index(w) == j:  # a worker's first payload of the round takes what it used before
                 skip[j] += used.pop(w, 0)

@@ -120,7 +120,8 @@ class StateLayout:
     def of(self, s: server.ServerState) -> Stored:
         """A whole :class:`asgd_jax.server.ServerState` in its stored form."""
         rows = lambda layout, stacks: tuple(jax.vmap(layout.pack)(stacks)) if layout.dtypes else ()
-        empty = Stored((), rows(self.layout, s.backup_params), rows(self.ms_layout, s.backup_model_state), (), 0, 0)
+        bp, bms = rows(self.layout, s.backup_params), rows(self.ms_layout, s.backup_model_state)
+        empty = Stored((), bp, bms, (), s.backup_version, s.version)
         return self.store(s, empty)
 
     def full(self, st: Stored) -> server.ServerState:
@@ -155,7 +156,7 @@ class StoreState:
         # Pushes and answers cross as packed buffers (one per dtype), whatever the leaf count (asgd_jax.packing).
         self.layout = packing.Layout.of(state.params)
         self.model_state_layout = packing.Layout.of(state.model_state if self.stateful else {})
-        self._structure = jax.tree.structure(state.params)
+        self._structure: Any = jax.tree.structure(state.params)
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self.sends = server.has_pull(rule)  # a pull-side rule answers with a look-ahead, not the server's weights
         self.stored_layout = StateLayout(state, num_workers, self.layout, self.model_state_layout)
