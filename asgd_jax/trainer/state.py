@@ -196,7 +196,8 @@ class StoreState:
             # rejected push, the weights it computed at before; either way where it computes next.
             sent = sl.row(st, w)
             version = jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False)
-            return st, (staleness, ok, finite_packed(sent[0])), sent, version
+            flags = jnp.stack([staleness, ok.astype(jnp.int32), finite_packed(sent[0]).astype(jnp.int32)])
+            return st, flags, sent, version  # (the flags in one buffer: one transfer)
 
         def answer(st: Stored, w):  # what a pull by w would send (nothing recorded)
             s = sl.load(st)
@@ -268,8 +269,9 @@ class StoreState:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
         worker's pull: one program, the state updated in place; waits for its flags and answer on the host."""
         self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], payload, model_state)
-        (staleness, ok, sound), sent = host((flags, sent))  # one transfer call for the flags and the answer
-        return Exchanged(ok.item(), staleness.item(), sound.item(), sent)
+        flags, sent = host((flags, sent))  # one transfer call for the flags and the answer
+        staleness, ok, sound = (int(x) for x in flags)
+        return Exchanged(bool(ok), staleness, bool(sound), sent)
 
     def dispatch(self, worker: int, payload: tuple, model_state: tuple) -> Dispatched:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
@@ -280,8 +282,8 @@ class StoreState:
     @staticmethod
     def settle(dispatched: Dispatched) -> Exchanged:
         """A dispatched exchange's flags on the host (waits for the device), its answer left where it lies."""
-        staleness, ok, sound = (x.item() for x in jax.device_get(dispatched.flags))
-        return Exchanged(ok, staleness, sound, dispatched.answer)
+        staleness, ok, sound = (int(x) for x in np.asarray(dispatched.flags))
+        return Exchanged(bool(ok), staleness, bool(sound), dispatched.answer)
 
     def pull(self, worker: int) -> tuple:
         """Records ``worker``'s pull; the packed weights it computes at."""

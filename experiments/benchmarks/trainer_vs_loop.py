@@ -61,7 +61,8 @@ def floor(steps: int) -> float:
 def train(workers: int, n_sync: int, steps: int) -> dict:
     """One `asgd-jax train` run in a process of its own; its summary.json."""
     with tempfile.TemporaryDirectory() as out:
-        flags = ["--dataset", "digits", "--model", "cnn", "--rule", "asgd", "--workers", str(workers)]
+        flags = ["--dataset", "digits", "--model", "cnn", "--rule", "asgd", "--lr", "0.1", "--schedule", "constant"]
+        flags += ["--workers", str(workers)]
         flags += ["--steps", str(steps), "--out", out, "--no-progress", "--eval-every", str(10 * steps)]
         if n_sync > 1:
             flags += ["--n-sync", str(n_sync), "--push", "accumulate"]
