@@ -265,6 +265,8 @@ def train_rule(args: argparse.Namespace, setup: Any, plan: Any, num_examples: in
 
 def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
     """Adds the command line's flags to the run's ``summary.json`` (if the run wrote one); returns the summary."""
+    from asgd_jax import checkpoint  # (here: the CLI starts without JAX)
+
     path = os.path.join(out, "summary.json")
     if not os.path.exists(path):  # stopped before the session began: there is no summary to add to
         return {}
@@ -272,8 +274,7 @@ def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
         with open(path) as f:
             summary = json.load(f)
         summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "actions", "top_parser")}
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+        checkpoint.write_json(path, summary)  # atomically: a failed write leaves the trainer's summary whole
     except (OSError, ValueError) as e:
         print(f"asgd-jax: could not update {path}: {e}", file=sys.stderr)
         return {}

@@ -69,7 +69,8 @@ class Workers(_Counted):
 
     Args:
       num: number of workers M >= 1 (static).
-      compute_time: ``"exponential"`` (default), ``"constant"`` or ``"lognormal"`` (static).
+      compute_time: ``"exponential"`` (default), ``"constant"``, ``"lognormal"`` or ``"pareto"`` (static; the list is
+        :data:`COMPUTE_TIME_KINDS`).
       mean_compute_time: mean time of one minibatch (> 0).
       sigma: log-std of the lognormal draw (>= 0).
       speeds: optional per-worker speed factors, shape ``[num]`` (> 0): a heterogeneous cluster.

@@ -396,8 +396,7 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
         # run.
         "store": _store_times(outcome.status, result.seconds),
     }
-    try:
-        with open(os.path.join(out_dir, SUMMARY), "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+    try:  # atomically: a crash or a full disk leaves no half-written summary
+        checkpoint.write_json(os.path.join(out_dir, SUMMARY), summary)
     except OSError as e:
         log.error("could not write %s: %r", os.path.join(out_dir, SUMMARY), e)

@@ -1,10 +1,12 @@
 """The host-side parameter store: the simulator's server step, applied to pushes from real worker threads.
 
-Workers ``pull`` the weights once and then ``push`` payloads; one applier thread applies the pushes one at a time, in
-arrival order, with the same pure :func:`asgd_jax.server.push` the simulator scans, and right after applying a push
-records that worker's pull (:func:`asgd_jax.server.pull`) and hands it the fresh weights. That push-then-pull is
-atomic, which is exactly the simulator's semantics, so the recorded trace (``trace.jsonl``: one line per applied push)
-replays in the simulator as ``asgd_jax.delays.Trace.load(path)`` (the format is :mod:`asgd_jax.trace`'s).
+Workers ``pull`` the weights once and then ``push`` payloads; the pushes are applied one at a time, in arrival order (by
+the applier's thread, or, pipelined, by each pushing thread in turn under the applier's gate: see
+:mod:`asgd_jax.trainer.applier`), with the same pure :func:`asgd_jax.server.push` the simulator scans, and right after
+applying a push records that worker's pull (:func:`asgd_jax.server.pull`) and hands it the fresh weights. That
+push-then-pull is atomic, which is exactly the simulator's semantics, so the recorded trace (``trace.jsonl``: one line
+per applied push) replays in the simulator as ``asgd_jax.delays.Trace.load(path)`` (the format is
+:mod:`asgd_jax.trace`'s).
 
 Bad pushes never touch the model: a wrong tree structure, shape or dtype is rejected at ``push`` with a clear error;
 a payload with NaN/Inf is rejected (counted) or, with ``on_nonfinite="stop"``, closes the store with a clear message.
@@ -160,7 +162,8 @@ class ParameterStore:
         """Queues a payload computed at the weights of ``pulled_version``.
 
         The payload is the model's pytree or its packed buffers (:attr:`layout`, what a worker sends); it is moved to
-        the store's device here, on the pushing thread, while the applier applies the pushes queued before it.
+        the store's device here, on the pushing thread (not at all if it lies there already), while the applier
+        applies the pushes queued before it; pipelined, the pushing thread then applies it itself, in turn.
         ``round_info``: a gathered round's mean (its workers and their skips, for the trace).
 
         Returns:

@@ -1,10 +1,11 @@
 """One worker's loop, written once: the same on a thread of this process and in a Ray actor.
 
 A worker starts from what the store knows about it (:class:`Sync`: its backup, the version it pulled and its data
-position), computes its exchange period on its device group, copies the payload to the host and pushes it through a
-:class:`StoreLink`, which answers with the fresh weights (its next pull) or says why not (:class:`Answer`). Only the
-link differs between substrates: in process it is the store's own :class:`asgd_jax.trainer.endpoint.Endpoint`; on Ray it
-is a client of the store actor that turns a dead or restarting store into ``"resync"``.
+position), computes its exchange period on its device group and pushes the payload through a :class:`StoreLink` (as it
+lies on the device to a store in this process, copied to the host for Ray or a round's mean), which answers with the
+fresh weights (its next pull) or says why not (:class:`Answer`). Only the link differs between substrates: in process it
+is the store's own :class:`asgd_jax.trainer.endpoint.Endpoint`; on Ray it is a client of the store actor that turns a
+dead or restarting store into ``"resync"``.
 
 Asynchronous and SSGD workers run the same loop: an SSGD worker's push is its share of a round, answered when the
 round's mean has been applied.
