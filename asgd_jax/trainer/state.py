@@ -323,6 +323,7 @@ class StoreState:
         jax.block_until_ready(self._exchange(scratch, self._ids[0], g, ms))
         jax.block_until_ready(self._packed_backup(self.stored, self._ids[0]))
         jax.block_until_ready(self._weights(self.stored))
+        jax.block_until_ready(self._full(self.stored))  # (what a checkpoint reads: not compiled mid-run)
 
     def lower(self, worker: int, payload: tuple, model_state: tuple) -> jax.stages.Lowered:
         """The exchange for a packed payload, lowered (``.compile().as_text()`` is its optimised HLO)."""

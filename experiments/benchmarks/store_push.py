@@ -11,6 +11,9 @@ and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one 
   two passes: a read and a write). ASGD: read g (its finite check), read w, write w, write the worker's backup row,
   write the answer: 5 passes. DC-ASGD-a adds reading the backup and MeanSquare and writing MeanSquare: 8.
 - 4 threads: pushes/s with four threads pushing at once, against 1 / (exchange time).
+- pipelined store: the trainer's in-process path (``ParameterStore(pipelined=True)``, what a threads run of the
+  plain asynchronous discipline uses): the payload already on the store's device, the answer waited for on the
+  device; one thread's median push, and four threads' pushes/s against 1 / (exchange time).
 
     .venv/bin/python experiments/benchmarks/store_push.py            # ~2 minutes on 2 cores
     .venv/bin/python experiments/benchmarks/store_push.py --quick    # fewer pushes, no 11M model
@@ -98,7 +101,34 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
         rate = WORKERS * n / (time.perf_counter() - t0)
         store.close()
     size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-    return {"store": one, "exchange": alone, "floor": floor_us(size, PASSES[rule_name], n), "rate": rate}
+    piped, piped_rate = pipelined(rule, params, n)
+    floor = floor_us(size, PASSES[rule_name], n)
+    return {"store": one, "exchange": alone, "floor": floor, "rate": rate, "piped": piped, "piped_rate": piped_rate}
+
+
+def pipelined(rule, params, n: int) -> tuple[float, float]:
+    """The trainer's in-process path: a pipelined store, payloads already on its device, each push's answer waited
+    for on the device (one thread: the median push; four threads: pushes/s)."""
+    with tempfile.TemporaryDirectory() as out:
+        store = ParameterStore(rule, params, WORKERS, out_dir=out, pipelined=True)
+        store.warm_up()
+        sizes = zip(store.layout.sizes, store.layout.dtypes, strict=True)
+        payload = jax.device_put(tuple(np.full(k, 1e-3, d) for k, d in sizes), store.device)
+
+        def push(worker: int = 0) -> None:
+            jax.block_until_ready(store.push(worker, payload, 0, packed=True).result())
+
+        push()
+        one = median_us(push, n)
+        threads = [threading.Thread(target=lambda w=w: [push(w) for _ in range(n)]) for w in range(WORKERS)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rate = WORKERS * n / (time.perf_counter() - t0)
+        store.close()
+    return one, rate
 
 
 def main() -> None:
@@ -108,9 +138,9 @@ def main() -> None:
     print(f"jax {jax.__version__}, store on {jax.devices('cpu')[0]}, M = {WORKERS}; times are medians in us")
     print(
         "| params (leaves) | rule | store | exchange | floor | store ÷ exchange | exchange ÷ floor "
-        "| 4 threads ÷ 1/exchange |"
+        "| 4 threads ÷ 1/exchange | pipelined store | pipelined ÷ exchange | 4 threads pipelined ÷ 1/exchange |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, params in models(args.quick).items():
         size, leaves = sum(int(np.size(x)) for x in jax.tree.leaves(params)), len(jax.tree.leaves(params))
         n = 20 if size > 5e6 else (50 if args.quick else 200)
@@ -119,7 +149,8 @@ def main() -> None:
             print(
                 f"| {size:,} ({leaves}, {name}) | {rule_name} | {r['store']:,.0f} | {r['exchange']:,.0f} | "
                 f"{r['floor']:,.0f} | {r['store'] / r['exchange']:.2f} | {r['exchange'] / r['floor']:.2f} | "
-                f"{r['rate'] * r['exchange'] / 1e6:.2f} |",
+                f"{r['rate'] * r['exchange'] / 1e6:.2f} | {r['piped']:,.0f} | {r['piped'] / r['exchange']:.2f} | "
+                f"{r['piped_rate'] * r['exchange'] / 1e6:.2f} |",
                 flush=True,
             )
 

@@ -119,7 +119,8 @@ def store_push(params, state, pushes: int, store_device: str = "cpu") -> tuple[f
             whole.append(time.perf_counter() - t0)
         compiled = store.lower_exchange(0, payload, model_state).compile()
         args = jax.device_put((np.int32(0), payload, model_state), store.device)
-        live = jax.device_put(store.state(), store.device)  # looped on its own output, as the store does
+        store.state()  # (settled: nothing in flight)
+        live = jax.device_put(jax.device_get(store.server.stored), store.device)  # a copy, looped as the store does
         alone = []
         for _ in range(pushes):
             t0 = time.perf_counter()
