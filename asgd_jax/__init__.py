@@ -31,9 +31,6 @@ if TYPE_CHECKING:  # the names, for type checkers and readers; at run time they 
         simulator,
         trainer,
     )
-    from asgd_jax import exchange as exchange
-    from asgd_jax import order as order
-    from asgd_jax import server as server
     from asgd_jax.comparison import Comparison, compare
     from asgd_jax.errors import ConfigError
     from asgd_jax.loss import Loss
@@ -100,8 +97,10 @@ def __dir__() -> list[str]:
 
 
 def _modules() -> set[str]:
-    """The modules importable as attributes: the public ones of ``__all__`` and the engines' own."""
-    return {n for n in __all__ if n not in _NAMES} | {"exchange", "order", "packing", "ray_cluster", "server"}
+    """The public modules of ``__all__``. The engines' own (``server``, ``exchange``, ``packing``, ``order``, the
+    trainer's parts, ...) are not part of the package's face: import them by their full name
+    (``from asgd_jax import server``), as any package's submodules."""
+    return {n for n in __all__ if n not in _NAMES}
 
 
 __version__ = "0.1.0"

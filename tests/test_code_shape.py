@@ -259,3 +259,12 @@ def test_no_module_of_the_package_imports_in_a_circle():
 
     for m in sorted(graph):
         visit(m, ())
+
+
+def test_the_top_level_face_is_the_public_api_only():
+    # dir(asgd_jax) is what __all__ says: the engines' internals are submodules, imported by their full name.
+    engine = {"server", "exchange", "packing", "order", "ray_cluster", "interrupts", "writers"}
+    assert not engine & set(asgd_jax.__all__)
+    assert not engine & set(dir(asgd_jax)) - set(vars(asgd_jax))  # (listed only once imported, as any submodule)
+    for name in asgd_jax.__all__:
+        assert getattr(asgd_jax, name) is not None
