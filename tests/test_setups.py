@@ -228,9 +228,11 @@ def test_a_bf16_trainer_run_converges_and_its_trace_replays_with_the_same_policy
         progress=False,
     )
     # bf16 rounds what XLA keeps in float32 differently in the workers' and the simulator's fused programs, so the
-    # replay is close, not bit for bit (float32 replays are exact: test_trainer.py).
-    diff = jax.tree.map(
-        lambda a, b: float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-12)), replay.params, result.params
-    )
-    assert max(jax.tree.leaves(diff)) < 0.1
+    # replay is close, not bit for bit (float32 replays are exact: test_trainer.py). Measured over the weights as a
+    # whole: one small leaf (the first layer's biases) amplifies those roundings by as much as the run's staleness
+    # pattern, which timing decides (0.02-0.13 relative over 20 runs on a loaded 2-core machine), while the whole
+    # stays within about 1% (0.006-0.011).
+    flat = lambda tree: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+    whole = jnp.linalg.norm(flat(replay.params) - flat(result.params)) / jnp.linalg.norm(flat(result.params))
+    assert float(whole) < 0.05
     assert abs(float(evaluate(replay.params, replay.model_state)["error"]) - float(error)) < 0.02
