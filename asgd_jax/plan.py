@@ -76,8 +76,8 @@ class Plan:
         ``push="accumulate"``).
       eval_every: updates between evaluations (with an ``eval_fn``); default: about twenty evaluations per run, at
         chunk ends.
-      checkpoint_every: updates between checkpoints (simulator: at the first chunk end past each multiple; trainer:
-        default a tenth of the run).
+      checkpoint_every: updates between checkpoints; default a tenth of the run (:meth:`checkpoint_interval`, the
+        same for both engines; the simulator writes at the first chunk end past each multiple).
       chunk: updates per compiled chunk of the simulator (its progress, evaluation and checkpoint unit); default
         ``eval_every``, else :data:`DEFAULT_CHUNK`. ``eval_every`` must be a multiple of it.
       time_budget: a virtual-time budget (simulator): the run ends at the first evaluation (the first chunk end,
@@ -197,11 +197,16 @@ class Plan:
         return self.push == "delta" or (self.n_sync > 1 and self.push != "accumulate")
 
     def eval_interval(self) -> int:
-        """Updates between evaluations: ``eval_every``, else about a twentieth of the run, rounded to whole chunks."""
+        """Updates between evaluations: ``eval_every``, else about a twentieth of the run, rounded to whole chunks
+        (both engines: the trainer's evaluations fall where the simulator's do)."""
         if self.eval_every is not None:
             return self.eval_every
         chunk = self.chunk_length
         return chunk * max(1, round(self.num_updates / 20 / chunk))
+
+    def checkpoint_interval(self) -> int:
+        """Updates between checkpoints: ``checkpoint_every``, else a tenth of the run (both engines)."""
+        return self.checkpoint_every or max(1, self.num_updates // 10)
 
     def structure(self) -> PlanStructure:
         """What of this plan shapes a compiled program (see :class:`PlanStructure`)."""

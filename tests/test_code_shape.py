@@ -268,3 +268,18 @@ def test_the_top_level_face_is_the_public_api_only():
     assert not engine & set(dir(asgd_jax)) - set(vars(asgd_jax))  # (listed only once imported, as any submodule)
     for name in asgd_jax.__all__:
         assert getattr(asgd_jax, name) is not None
+
+
+@pytest.mark.parametrize("num_updates", [1, 7, 600, 2_000, 62_500])
+@pytest.mark.parametrize("every", [None, 50])
+def test_both_engines_take_their_cadences_from_the_plan(num_updates, every):
+    # One meaning per default: what None means for evaluations and checkpoints is the plan's, in both engines.
+    from asgd_jax.plan import Plan
+
+    every = every and min(every, num_updates)
+    plan = Plan(2, num_updates=num_updates, eval_every=every, checkpoint_every=every, chunk=every)
+    config = TrainConfig(plan, out="runs/x")
+    assert config.eval_interval() == plan.eval_interval()
+    assert config.checkpoint_interval() == plan.checkpoint_interval() == (every or max(1, num_updates // 10))
+    if every is None:
+        assert TrainConfig(plan).checkpoint_interval() is None  # (no output folder: nothing to write)

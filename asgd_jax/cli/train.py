@@ -145,7 +145,7 @@ def add_train(sub) -> None:
         help="continue from --out's checkpoint (which must be there); --resume auto: continue if there is one",
     )
     a("--warm-start-steps", type=int, default=d.warm_start_steps, help="first K updates with a single worker")
-    a("--eval-every", type=int, default=dp.eval_every, help="updates between evaluations [a tenth]")
+    a("--eval-every", type=int, default=dp.eval_every, help="updates between evaluations [about a twentieth]")
     a("--log-every", type=float, default=d.log_every, help="seconds between records of metrics.jsonl")
     a("--progress", action=argparse.BooleanOptionalAction, default=d.progress, help="a progress bar")
     a("--on-worker-failure", default=d.on_worker_failure, choices=FAILURE_POLICIES, help="a dead worker")

@@ -153,7 +153,7 @@ def _chunks(programs: _Programs, call: Call) -> SimulationResult:
             _check_finite(metrics, end, call.on_nonfinite, warned, call.runs)
             over = _past_budget(plan, state, so_far, programs.evaluates)
             if path is not None and (
-                end - so_far.saved >= (plan.checkpoint_every or 1) or over or end == plan.num_updates
+                end - so_far.saved >= plan.checkpoint_interval() or over or end == plan.num_updates
             ):
                 _save(path, state, so_far, header, axis)
             if bar is not None:

@@ -39,8 +39,8 @@ class TrainConfig:
 
     Attributes:
       plan: the run's :class:`asgd_jax.Plan` (default: 4 workers, 2,000 updates, batch 32); ``num_updates`` counts the
-        warm-up too. ``checkpoint_every`` (default a tenth of the run) needs ``out``; ``eval_every`` defaults to a
-        tenth of the run, with an ``eval_fn``.
+        warm-up too. ``checkpoint_every`` (default a tenth of the run) needs ``out``; ``eval_every`` (default about
+        a twentieth of the run) needs an ``eval_fn``: both resolved by the plan, as in the simulator.
       seed: the run's key is ``jax.random.key(seed)``: it fixes every worker's minibatch order and model randomness
         (the simulator's, for replay).
       devices_per_worker: devices per worker; worker w owns group ``w mod (devices // devices_per_worker)``, its
@@ -233,11 +233,9 @@ class TrainConfig:
         return found[int(index or 0)]
 
     def checkpoint_interval(self) -> int | None:
-        """Updates between checkpoints: ``plan.checkpoint_every``, or a tenth of the run with an output folder."""
-        if self.out is None:
-            return None
-        return self.plan.checkpoint_every or max(1, self.plan.num_updates // 10)
+        """Updates between checkpoints with an output folder: the plan's (:meth:`asgd_jax.Plan.checkpoint_interval`)."""
+        return None if self.out is None else self.plan.checkpoint_interval()
 
     def eval_interval(self) -> int:
-        """Updates between evaluations: ``plan.eval_every``, or a tenth of the run."""
-        return self.plan.eval_every or max(1, self.plan.num_updates // 10)
+        """Updates between evaluations: the plan's (:meth:`asgd_jax.Plan.eval_interval`, the simulator's too)."""
+        return self.plan.eval_interval()
