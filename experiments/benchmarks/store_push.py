@@ -66,6 +66,17 @@ def floor_us(size: int, passes: int, n: int) -> float:
     return median_us(lambda: np.copyto(b, a), n) * passes / 2
 
 
+def threads_rate(push, n: int) -> float:
+    """Pushes/s with ``WORKERS`` threads each pushing ``n`` times at once (thread w as worker w)."""
+    threads = [threading.Thread(target=lambda w=w: [push(w) for _ in range(n)]) for w in range(WORKERS)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return WORKERS * n / (time.perf_counter() - t0)
+
+
 def measure(params, rule_name: str, n: int) -> dict[str, float]:
     rule = asgd_jax.rules.get(rule_name, 1e-3)
     with tempfile.TemporaryDirectory() as out:
@@ -92,13 +103,7 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
 
         exchange()
         alone = median_us(exchange, n)
-        threads = [threading.Thread(target=lambda w=w: [push(w) for _ in range(n)]) for w in range(WORKERS)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        rate = WORKERS * n / (time.perf_counter() - t0)
+        rate = threads_rate(push, n)
         store.close()
     size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     piped, piped_rate = pipelined(rule, params, n)
@@ -120,13 +125,7 @@ def pipelined(rule, params, n: int) -> tuple[float, float]:
 
         push()
         one = median_us(push, n)
-        threads = [threading.Thread(target=lambda w=w: [push(w) for _ in range(n)]) for w in range(WORKERS)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        rate = WORKERS * n / (time.perf_counter() - t0)
+        rate = threads_rate(push, n)
         store.close()
     return one, rate
 
