@@ -73,8 +73,8 @@ def logs(
 ) -> tuple[session.MetricsLog, session.Evaluator | None]:
     """A session's ``metrics.jsonl`` with its sinks (TensorBoard event files, ``on_metrics``) and its evaluator (on
     ``eval_device``, writing to the same log; none without an ``eval_fn``)."""
-    sinks = []
-    if config.tensorboard:
+    sinks: list[Callable[[dict], Any]] = []
+    if config.tensorboard and config.out is not None:
         from asgd_jax import writers
 
         sinks.append(writers.TensorBoard(os.path.join(config.out, writers.FOLDER)))
@@ -174,8 +174,9 @@ class _Run:
             return
         self.status = progress.status
         self.losses.extend(progress.losses)
-        for snapshot in progress.snapshots if self.evaluator is not None else ():
-            self.evaluator.submit(snapshot)
+        if self.evaluator is not None:
+            for snapshot in progress.snapshots:
+                self.evaluator.submit(snapshot)
 
     def record(self, final: bool = False) -> dict[str, Any]:
         record = self.metrics.record(self.status, time.perf_counter() - self.start, self.losses, final=final)
@@ -187,7 +188,8 @@ class _Run:
         nothing more once the run is ``closing``)."""
         w, c = finished.worker, self.c
         if finished.error is None:
-            self.stats[w] = finished.stats.merged(self.stats.get(w))
+            stats = finished.stats if finished.stats is not None else WorkerStats()  # (a worker always sends them)
+            self.stats[w] = stats.merged(self.stats.get(w))
             running.discard(w)
             return
         self.failures[w] = finished.error

@@ -47,7 +47,7 @@ def for_run(
         on_nonfinite=config.on_nonfinite,
         checkpoint_dir=config.out,
         checkpoint_every=config.checkpoint_interval(),
-        resume=config.resume if resume is None else resume,
+        resume=bool(config.resume if resume is None else resume),  # ("auto": the run decided already; restore if there)
         header=header,
         snapshot_every=config.eval_interval() if evaluates else None,
         max_nonfinite=config.max_nonfinite,
@@ -81,7 +81,7 @@ class Endpoint:
             kind, self._push_async
         )
 
-    def _push_async(self, worker: int, payload: Any, version: int, model_state: Any, timeout, *, packed: bool):
+    def _push_async(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, timeout, *, packed: bool):
         return self.store.push(worker, payload, version, model_state, packed=packed).result(timeout=timeout)
 
     def sync(self, worker: int) -> Sync:

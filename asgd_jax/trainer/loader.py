@@ -74,7 +74,8 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
                 f"batch_size={batch_size} is larger than a shard: {n} examples over {num_workers} workers leaves "
                 f"{shard_size} per shard."
             )
-        self.source, self.worker, self.num_workers, self.batch_size = source, worker, num_workers, batch_size
+        self.source: Any = source  # (a dict of arrays, or a random-access source)
+        self.worker, self.num_workers, self.batch_size = worker, num_workers, batch_size
         self.num_examples, self.per_epoch = n, shard_size // batch_size
         self.key, self.transform = key, transform
         self.taken = start_batch  # batches handed out so far

@@ -56,6 +56,12 @@ class Answer(NamedTuple):
     weights: Weights | None
     why: str = ""
 
+    def fresh(self) -> Weights:
+        """The weights an ``"ok"`` or ``"restart"`` answer carries (the worker computes at them next)."""
+        if self.weights is None:
+            raise RuntimeError(f"a {self.status!r} answer without weights: {self.why}")
+        return self.weights
+
 
 class StoreTimes(NamedTuple):
     """Where the store's time went this session, in seconds (``summary.json``'s ``"store"``).

@@ -72,7 +72,9 @@ class Checkpoints:
         return self._writer is not None and self.every is not None and applied % self.every == 0
 
     def submit(self, contents: tuple) -> None:
-        """Hands a checkpoint's contents (host copies) to the writer's thread; a newer one supersedes a pending one."""
+        """Hands a checkpoint's contents (host copies) to the writer's thread; a newer one supersedes a pending one
+        (only where :meth:`due`: there is a writer)."""
+        assert self._writer is not None
         self._writer.submit(*contents)
 
     def save(self, contents: tuple) -> str:

@@ -34,8 +34,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, SupportsFloat, SupportsInt
 
 import jax
 
@@ -72,7 +72,7 @@ class StoreActor:
     def sync(self, worker: int) -> Sync:
         return self.endpoint.sync(worker)
 
-    def push(self, worker: int, payload, version: int, model_state, loss: float) -> Answer:
+    def push(self, worker: int, payload, version: SupportsInt, model_state, loss: SupportsFloat) -> Answer:
         return self.endpoint.push(worker, payload, version, model_state, loss)
 
     def pull(self, worker: int) -> Weights:
@@ -111,7 +111,7 @@ class _StoreLink:
                     raise
                 time.sleep(0.5)
 
-    def push(self, worker: int, payload, version: int, model_state, loss: float) -> Answer:
+    def push(self, worker: int, payload, version: SupportsInt, model_state, loss: SupportsFloat) -> Answer:
         try:
             return self.ray.get(self.actor.push.remote(worker, payload, version, model_state, loss))
         except _actor_errors(self.ray):
@@ -271,7 +271,7 @@ class _Ray:
         self.kept.extend(refs)
         return refs
 
-    def _check_room(self, resources: dict[str, float]) -> None:
+    def _check_room(self, resources: Mapping[str, float]) -> None:
         """Fails at once when the cluster, even idle, cannot hold every worker actor (they would wait forever)."""
         ((name, each),) = resources.items()
         kind = "GPU" if name == "num_gpus" else "CPU"

@@ -34,7 +34,9 @@ class Rounds:
         self._payloads: dict[int, tuple] = {}  # SSGD: this round's payloads by worker
         self._gathered: list[tuple] = []  # a round method's: (worker, payload, model state, skips before it)
         self._skips: dict[int, int] = {}  # per worker: gradients ignored since its last payload of a round
-        self._number, self._answer, self.aborted = 0, None, None
+        self._number = 0
+        self._answer: tuple | BaseException | None = None  # the last round's (params, model_state, version)
+        self.aborted: str | None = None
 
     def push_round(self, worker: int, payload: Any, pulled_version: int, model_state: Any, timeout, packed: bool):
         """SSGD: ``worker``'s payload for the round at ``pulled_version``; blocks until all M have sent theirs.
@@ -80,6 +82,7 @@ class Rounds:
           TimeoutError: an m-Synchronous round did not complete within ``timeout`` seconds.
         """
         store, g = self.store, self.gather
+        assert g is not None  # (a round method's store)
         with self._cv:
             self._check_open(gathered=True)
             if pulled_version != store.applied:
@@ -140,6 +143,7 @@ class Rounds:
         """The last round's answer, as this caller wants it."""
         if isinstance(self._answer, BaseException):
             raise self._answer
+        assert self._answer is not None  # (read after a round ended)
         params, model_state, version = self._answer
         return (*self.store.reply((params, model_state), packed), version)
 

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 import jax
 import numpy as np
@@ -64,7 +64,7 @@ class RunLock:
 
     def __init__(self, out: str | os.PathLike):
         self.out = os.fspath(out)
-        self._file = None
+        self._file: IO[str] | None = None
 
     def __enter__(self) -> RunLock:
         import fcntl
@@ -153,7 +153,7 @@ class MetricsLog:
 
     def __init__(self, num_workers: int, mode: str = "async", sinks: tuple[Callable[[dict], Any], ...] = ()):
         self.num_workers, self.mode, self.sinks = num_workers, mode, tuple(sinks)
-        self._file = None
+        self._file: IO[str] | None = None
         self._lock = threading.Lock()
         self._last: tuple = (time.perf_counter(), 0, [0] * num_workers, {})
         self.error: BaseException | None = None
@@ -217,8 +217,9 @@ class MetricsLog:
     def close(self) -> None:
         with self._lock:
             for sink in self.sinks:
-                if callable(getattr(sink, "close", None)):
-                    sink.close()
+                close = getattr(sink, "close", None)
+                if callable(close):
+                    close()
             if self._file is not None:
                 try:
                     self._file.close()
@@ -332,7 +333,7 @@ def finish(
         checkpoint_path=paths.get("checkpoint"),
         metrics_path=paths.get("metrics"),
         seconds=outcome.seconds,
-        losses={w: stats.losses for w, stats in enumerate(outcome.workers)},
+        losses={w: [float(x) for x in stats.losses] for w, stats in enumerate(outcome.workers)},
         workers=outcome.workers,
         evals=evals,
         resumed_from=s.resumed_from,

@@ -124,7 +124,7 @@ class ParameterStore:
         self.header = {"num_workers": num_workers, **(header or {})}
         self.checkpoints = Checkpoints(checkpoint_dir, checkpoint_every, self.fail)
         pin: tuple[int, str | None] = (0, None)  # a resume: the trace's lines and digest to keep
-        if self.checkpoints.exists():
+        if self.checkpoints.exists() and self.checkpoints.path is not None:
             if not resume:
                 raise errors.ConfigError(
                     f"{checkpoint_dir} already holds a checkpoint ({self.checkpoints.path}): pass resume=True "

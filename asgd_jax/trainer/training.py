@@ -130,7 +130,7 @@ def _start(
         "warm_start_steps": config.warm_start_steps,
     }
     header.update(config.discipline.header())  # (keys only such runs have: older checkpoints still resume)
-    if config.resume and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
+    if config.resume and config.out is not None and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
         check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)
     if config.out is not None:

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from asgd_jax import errors, exchange, packing
 from asgd_jax import loss as loss_lib
+from asgd_jax.exchange import Exchange
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.loader import ShardLoader
 from asgd_jax.trainer.messages import Answer, Sync, Weights, WorkerStats
@@ -109,7 +110,7 @@ class WorkerSetup:
 
     @classmethod
     def of_run(
-        cls, config: TrainConfig, worker: int, ex: exchange.Exchange, stateful: bool, layouts, *, in_process: bool
+        cls, config: TrainConfig, worker: int, ex: Exchange, stateful: bool, layouts, *, in_process: bool
     ) -> WorkerSetup:
         """Worker ``worker``'s setup in a run of ``config`` (its straggling, its discipline's stops; ``in_process``:
         the store is in this process, so a store on a device takes asynchronous payloads device to device)."""
@@ -150,6 +151,8 @@ class DeviceGroup:
 
     def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array):
         self.single = len(devices) == 1
+        self.replicated: jax.sharding.Sharding
+        self.batch_sharded: jax.sharding.Sharding
         if self.single:
             self.replicated = self.batch_sharded = jax.sharding.SingleDeviceSharding(devices[0])
         else:
@@ -164,15 +167,15 @@ class DeviceGroup:
         answer on this device, its version still being computed) left as they are, never waited for."""
         if worker not in self._ids:
             self._ids[worker] = jax.device_put(np.int32(worker), self.replicated)
-        version = version if isinstance(version, jax.Array) else np.int32(version)
-        moved = [x for x in jax.tree.leaves((params, model_state, version)) if not self._here(x)]
+        v: Any = version if isinstance(version, jax.Array) else np.int32(version)
+        moved = [x for x in jax.tree.leaves((params, model_state, v)) if not self._here(x)]
         if moved:  # (a pytree with the moved leaves only: one call)
             placed = iter(jax.device_put(moved, self.replicated))
-            params, model_state, version = jax.tree.map(
-                lambda x: x if self._here(x) else next(placed), (params, model_state, version)
+            params, model_state, v = jax.tree.map(
+                lambda x: x if self._here(x) else next(placed), (params, model_state, v)
             )
         batches = batches if self.single else jax.device_put(batches, self.batch_sharded)
-        return WorkInputs(params, model_state, batches, self.model_key, version, self._ids[worker])
+        return WorkInputs(params, model_state, batches, self.model_key, v, self._ids[worker])
 
     def feeding(self) -> contextlib.AbstractContextManager:
         """Where the program is called: a one-device group's host minibatches cross to its device in that call, the
@@ -281,12 +284,12 @@ class Worker:
                 t3 = time.perf_counter()
                 if answer.status == "restart":  # its round ended first: the work is wasted, the minibatches kept
                     stats.stop(t3 - t1)
-                    weights = answer.weights
+                    weights = answer.fresh()
                     continue
                 batches = None
                 stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=loss)
                 if answer.status == "ok":
-                    weights = answer.weights
+                    weights = answer.fresh()
                 elif answer.status == "closed":
                     break
                 else:  # "rejected" (NaN/Inf: its minibatches are used up) or "resync": start again from the store
@@ -298,11 +301,11 @@ class Worker:
             loader.close()
         return stats.settled()
 
-    def _done(self, out: Any, version: int, started: float, stop: threading.Event) -> bool:
+    def _done(self, out: Any, version: SupportsInt, started: float, stop: threading.Event) -> bool:
         """Waits for a computation at ``version`` and, for a straggler, its extra time; False when it was stopped
         because the store moved ``stop_stale`` updates past ``version`` first (never without ``stop_stale``)."""
         s = self.setup
-        limit = None if s.stop_stale is None else version + s.stop_stale
+        limit = None if s.stop_stale is None else int(version) + s.stop_stale
         if limit is not None:
             leaves = jax.tree.leaves(out[:3])
             while not all(x.is_ready() for x in leaves):
