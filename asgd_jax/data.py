@@ -22,6 +22,7 @@ import io
 import os
 import zipfile
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -142,7 +143,8 @@ def _keep(path: str, arrays: dict[str, np.ndarray]) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "wb") as f:
-            np.savez(f, checksum=np.asarray(_checksum(arrays)), **arrays)
+            contents: dict[str, Any] = {"checksum": np.asarray(_checksum(arrays)), **arrays}
+            np.savez(f, **contents)
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):

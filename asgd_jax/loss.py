@@ -116,7 +116,8 @@ class Loss:
             problem = f"its loss is {loss.dtype}{list(jnp.shape(loss))}, not a float scalar"
         elif self.has_model_state:
             new_state, aux = _pair(rest, self.form) if self.has_aux else (rest, {})
-            if jax.tree.structure(new_state) != jax.tree.structure(model_state):
+            expected: Any = jax.tree.structure(model_state)  # (PyTreeDef's stub lacks __ne__)
+            if jax.tree.structure(new_state) != expected:
                 problem = (
                     f"its new model state has the structure {jax.tree.structure(new_state)}, the model state "
                     f"{jax.tree.structure(model_state)}"
