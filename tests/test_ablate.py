@@ -95,7 +95,7 @@ def test_format_table_lays_out_mean_and_std():
         {"M": 1, "label": "SGD", "seed": 1, "test_error": 0.12},
         {"M": 4, "label": "ASGD", "seed": 0, "test_error": 0.2},
     ]
-    lines = studies.format_table(dataclasses.replace(study, paper=None), runs, 2).splitlines()
+    lines = studies.format_table(dataclasses.replace(study, paper=studies.Paper()), runs, 2).splitlines()
     assert lines[2:] == ["| M | SGD | ASGD |", "|---|---|---|", "| 1 | 11.00 ± 1.41 | — |", "| 4 | — | 20.00 ± 0.00 |"]
 
 

@@ -341,7 +341,7 @@ def test_the_optimal_time_study_picks_by_time_to_target(optimal_time_run):
 @pytest.mark.xdist_group("optimal_time_run")  # one worker runs the study once
 def test_the_optimal_time_curve_is_the_harmonic_bound(optimal_time_run):
     study, result = optimal_time_run
-    _, curve = study.reference(result.settings, [4, 16])
+    _, curve = study.paper.prediction(result.settings, [4, 16])
     times = delays.sqrt_times(16)
     s2_eps = 32 * 1.0**2 / result.settings.target_error
     direct = min(m / np.sum(1 / times[:m]) * (1 + s2_eps / m) for m in range(1, 17))

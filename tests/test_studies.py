@@ -44,7 +44,8 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
     } | {(4, "SSGD", "sync"), (8, "SSGD", "sync")}
     curve = arms["staleness_curve"]
     assert {a.coords["M"] for a in curve if isinstance(a.plan.delays, delays.Workers)} == {1, 2, 4, 8, 16, 32}
-    assert full["dcasgd_table1"].full.model == "resnet20" and full["dcasgd_table1"].paper[8]["DC-ASGD-a"] == 8.57
+    table1 = full["dcasgd_table1"]
+    assert table1.full.model == "resnet20" and table1.paper.numbers[8]["DC-ASGD-a"] == 8.57
     for name, study in full.items():  # every study documents its command and expectation
         assert f"asgd-jax run {name} --quick" in study.reproduces and "Expected:" in study.reproduces
     with pytest.raises(ValueError, match="choose from dcasgd_lambda_sweep"):
@@ -76,7 +77,6 @@ def test_warm_arms_start_from_the_warm_up_and_fixed_delay_arms_run():
         reproduces="",
         quick=TINY,
         full=TINY,
-        rows="M",
         arms=lambda s, q: [
             studies.Arm({"M": 2, "start": "cold"}, Plan(2, n_sync=2, push="delta", local_lr=0.5), server_lr=1.0),
             studies.Arm(
@@ -100,19 +100,49 @@ def test_tables_speedup_and_paper_columns():
         quick=TINY,
         full=TINY,
         arms=lambda s, q: [],
-        rows="clients",
-        metric="speedup",
-        baseline={"clients": 1},
-        paper={8: {"paper": 3.2}},
+        table=studies.Table(rows="clients", metric="speedup", baseline={"clients": 1}),
+        paper=studies.Paper(numbers={8: {"paper": 3.2}}),
     )
     runs = [{"clients": 1, "label": "A", "time_to_target": t, "test_error": 0.1} for t in (9.0, 11.0)]
     runs += [{"clients": 8, "label": "A", "time_to_target": 4.0, "test_error": 0.1}]
     runs += [{"clients": 8, "label": "B", "time_to_target": math.nan, "test_error": 0.1}]  # never reached the target
     table = studies.format_table(study, runs, 2)
     assert "| 1 | 1.00x | — |" in table and "| 8 | 2.50x | — |" in table and "| 8 | 3.20 |" in table
-    error = dataclasses.replace(study, metric="test_error")
+    error = dataclasses.replace(study, table=dataclasses.replace(study.table, metric="test_error"))
     assert "| 1 | 10.00 ± 0.00 |" in studies.format_table(error, runs, 2)
     np.testing.assert_equal(studies.time_to_target(np.arange(4.0), np.array([0.9, 0.6, 0.4, 0.3]), 0.5), 2.0)
+
+
+def test_the_flat_keywords_of_before_the_groups_still_make_the_same_study_with_a_warning():
+    """``Study(rows=..., tune=..., paper={...})`` (the 24 flat fields of before) makes the grouped study, each keyword
+    warning where it went; ``dataclasses.replace(study, widen=2)`` changes the group's field and keeps the others."""
+    reference = lambda s, rows: ("theory", {r: 1.0 for r in rows})
+    grouped = studies.Study(
+        "g",
+        "g",
+        "",
+        TINY,
+        TINY,
+        arms=lambda s, q: [],
+        table=studies.Table(rows="clients", columns="M", facet="cluster", metric="speedup", baseline={"clients": 1}),
+        tuning=studies.Tuning(over=("lr",), by="time_to_target", widen=1),
+        paper=studies.Paper(numbers={8: {"paper": 3.2}}, note="a note", prediction=reference),
+    )
+    flat = dict(rows="clients", columns="M", facet="cluster", metric="speedup", baseline={"clients": 1})
+    flat |= dict(tune=("lr",), tune_by="time_to_target", widen=1)
+    flat |= dict(paper={8: {"paper": 3.2}}, paper_note="a note", reference=reference)
+    with pytest.warns(DeprecationWarning) as warned:
+        old = studies.Study("g", "g", "", TINY, TINY, arms=grouped.arms, **flat)
+    assert old == grouped and len(warned) == len(flat)
+    said = {str(w.message) for w in warned}
+    assert "Study(rows=...) is deprecated: write Study(table=Table(rows=...))" in " ".join(said)
+    assert any("Study(tune=...) is deprecated: write Study(tuning=Tuning(over=...))" in m for m in said)
+    assert any("Study(paper=...) is deprecated: write Study(paper=Paper(numbers=...))" in m for m in said)
+    with pytest.warns(DeprecationWarning, match=r"tuning=Tuning\(widen="):
+        wider = dataclasses.replace(grouped, widen=2)
+    assert wider.tuning == studies.Tuning(over=("lr",), by="time_to_target", widen=2) and wider.table == grouped.table
+    with pytest.raises(ConfigError, match="table="):
+        studies.Study("g", "g", "", TINY, TINY, arms=grouped.arms, table="M")
 
 
 def test_cli_lists_studies_and_errors(tmp_path, capsys):
@@ -162,8 +192,8 @@ def test_the_leaderboard_grid_is_the_issues():
         and study.full.model == "resnet20"
         and study.quick.model == "cnn"
     )
-    assert study.tune == ("lr", "lambda") and (study.metric, study.also) == ("time_to_target", ("test_error",))
-    assert study.widen == 1  # an edge pick runs once more, one grid step further out
+    assert study.tuning == studies.Tuning(over=("lr", "lambda"), widen=1)  # an edge pick runs once more, a step out
+    assert (study.table.metric, study.table.also) == ("time_to_target", ("test_error",))
 
 
 def test_a_mix_of_rules_in_one_arm_gives_each_rule_its_own_runs():
@@ -229,7 +259,7 @@ def test_best_tuned_picks_by_training_error_and_a_diverged_setting_never_wins():
         (c, "SGD", 0.1) for c in ("uniform", "slow")
     }
     assert len(kept) == 8 and picks[("uniform", "A", 4)] == {"lr": 0.2}
-    untuned = dataclasses.replace(study, tune=())
+    untuned = dataclasses.replace(study, tuning=studies.Tuning())
     runs = _leaderboard_runs()
     assert studies.best_tuned(untuned, runs) == (runs, {})  # without tune: every run, no picks
 
@@ -286,7 +316,7 @@ def test_a_tuned_studys_curves_are_its_picks_in_a_panel_per_row_in_its_own_measu
     assert "virtual time to the target ‖∇f‖²" in studies.format_table(study, runs, num_seeds=1)
     with pytest.raises(ConfigError, match="x='epochs'"):
         studies.curves_figure(result, "epochs")
-    few = dataclasses.replace(study, tune=(), measure=None)
+    few = dataclasses.replace(study, tuning=studies.Tuning(), measure=None)
     mine = {n: c for n, c in curves.items() if n.startswith("A ")}  # 6 curves, one of them diverged: one axes
     fig = studies.curves_figure(studies.StudyResult(few, few.quick, True, runs, mine, 0.0), "epoch")
     (ax,) = fig.axes
@@ -301,7 +331,7 @@ def test_equal_time_gives_every_rule_of_a_column_one_budget():
     """The leaderboard's headline: a column's budget is its earliest run end (3.0: rule A's seed 0); SGD reaches the
     target at 5.0, after it, so it shows "—" there, though it would within its own (longer) budget of epochs."""
     study = studies.load("staleness_leaderboard")
-    assert study.equal_time
+    assert study.table.equal_time
     runs = _leaderboard_runs()
     assert studies.time_budgets(study, runs) == {("uniform", 4): 3.0, ("slow", 4): 3.0}
     within = studies.within_budgets(study, runs)
@@ -311,9 +341,10 @@ def test_equal_time_gives_every_rule_of_a_column_one_budget():
     table = studies.format_table(study, runs, 2)
     headline = table.split("final test error")[0]
     assert "| SGD | — |" in headline and "| A | 2.00 ± 0.00 |" in headline and "| budget | 3.0 |" in headline
-    own = studies.format_table(dataclasses.replace(study, equal_time=False), runs, 2)
+    own_time = dataclasses.replace(study, table=dataclasses.replace(study.table, equal_time=False))
+    own = studies.format_table(own_time, runs, 2)
     assert "| SGD | 5.00 ± 0.00 |" in own and "budget" not in own
-    assert studies.time_budgets(dataclasses.replace(study, equal_time=False), runs) == {}
+    assert studies.time_budgets(own_time, runs) == {}
 
 
 @settings(max_examples=60, deadline=None)
@@ -415,18 +446,22 @@ def test_widening_runs_an_edge_pick_one_grid_step_further_out():
     lrs = (0.005, 0.01, 0.02)
     arm = studies.Arm({"M": 2}, Plan(2), variants=tuple(studies.Variant("ASGD", lr=lr) for lr in lrs))
     settings = dataclasses.replace(TINY, seeds=(0,), schedule="constant")
-    study = studies.Study("w", "w", "", settings, settings, arms=lambda s, q: [arm], tune=("lr",))
+    study = studies.Study(
+        "w", "w", "", settings, settings, arms=lambda s, q: [arm], tuning=studies.Tuning(over=("lr",))
+    )
     plain = studies.run(study, settings=settings, progress=False)
     assert studies.best_tuned(study, plain.runs)[1][(None, 2, "ASGD")] == {"lr": 0.02}
     assert [a.variants[0].lr for a in studies.widened_arms(study, settings, [arm], plain.runs)] == [0.04]
-    wide = studies.run(dataclasses.replace(study, widen=2), settings=settings, progress=False)
+    wide = studies.run(
+        dataclasses.replace(study, tuning=studies.Tuning(over=("lr",), widen=2)), settings=settings, progress=False
+    )
     tried = sorted(r["lr"] for r in wide.runs)
     assert tried == [0.005, 0.01, 0.02, 0.04, 0.08]  # two rounds, each one step (x2) further
     assert [r for r in wide.runs if r["lr"] in lrs] == plain.runs  # the grid's own runs are as they were
     pick = studies.best_tuned(study, wide.runs)[1][(None, 2, "ASGD")]["lr"]
     assert pick in (0.04, 0.08) and pick > 0.02
     with pytest.raises(ConfigError, match="widen"):
-        dataclasses.replace(study, widen=-1)
+        studies.Tuning(over=("lr",), widen=-1)
 
 
 def test_a_study_compiles_only_a_few_arms_ahead_of_the_one_computing():

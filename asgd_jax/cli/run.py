@@ -79,7 +79,8 @@ def _run_study(args: argparse.Namespace) -> int:
         raise errors.ConfigError("asgd-jax run needs a study: one of the names above, or a path to a study .py file")
     study = studies.load(args.study)
     if args.widen is not None:
-        study = dataclasses.replace(study, widen=args.widen)  # checked by the study, before the work
+        tuning = dataclasses.replace(study.tuning, widen=args.widen)  # checked here, before the work
+        study = dataclasses.replace(study, tuning=tuning)
     out = errors.output_folder("out", args.out or f"results/{study.name}", "--out")  # before the work
     settings = study.quick if args.quick else study.full
     if args.seeds is not None:  # a shorter look at a long study: fewer seeds, fewer epochs

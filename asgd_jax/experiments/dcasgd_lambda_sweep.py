@@ -9,7 +9,7 @@ Expected:  lambda = 0 is ASGD; a moderate lambda (the paper: 0.5-2 for -a) helps
 
 from asgd_jax.experiments._dcasgd import DCSettings, options, variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import DCASGD_CIFAR10, Arm, Study
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Study, Table
 
 LAMBDA_A = (0.0, 0.5, 1.0, 2.0, 4.0)
 LAMBDA_C = (0.0, 0.01, 0.04, 0.1, 0.4)
@@ -29,6 +29,5 @@ STUDY = Study(
     quick=DCSettings(seeds=(0, 1, 2), epochs=15.0),
     full=DCSettings.of(DCASGD_CIFAR10),
     arms=arms,
-    rows="lambda",
-    columns="label",
+    table=Table(rows="lambda"),
 )

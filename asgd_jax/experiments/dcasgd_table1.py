@@ -11,7 +11,7 @@ Expected:  staleness costs ASGD accuracy as M grows; DC-ASGD-a recovers most of 
 
 from asgd_jax.experiments._dcasgd import ALGORITHMS, DCSettings, options, variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import DCASGD_CIFAR10, Arm, Study, Variant
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Paper, Study, Table, Variant
 
 
 def _variant(name: str, s: DCSettings) -> Variant:
@@ -50,13 +50,13 @@ STUDY = Study(
     full=DCSettings.of(DCASGD_CIFAR10),
     forms={"ablate": ABLATE, "ablate-quick": DCSettings(seeds=(0, 1, 2), epochs=15.0, evals=20, window=100)},
     arms=arms,
-    rows="M",
-    columns="label",
-    column_order=tuple(ALGORITHMS.values()),
-    paper={
-        1: {"SGD": 8.65},
-        4: {"ASGD": 9.27, "SSGD": 9.17, "DC-ASGD-c": 8.67, "DC-ASGD-a": 8.19},
-        8: {"ASGD": 10.26, "SSGD": 10.10, "DC-ASGD-c": 9.27, "DC-ASGD-a": 8.57},
-    },
-    paper_note="CIFAR-10, ResNet-20, 160 epochs (Zheng et al. 2017, Table 1)",
+    table=Table(rows="M", column_order=tuple(ALGORITHMS.values())),
+    paper=Paper(
+        numbers={
+            1: {"SGD": 8.65},
+            4: {"ASGD": 9.27, "SSGD": 9.17, "DC-ASGD-c": 8.67, "DC-ASGD-a": 8.19},
+            8: {"ASGD": 10.26, "SSGD": 10.10, "DC-ASGD-c": 9.27, "DC-ASGD-a": 8.57},
+        },
+        note="CIFAR-10, ResNet-20, 160 epochs (Zheng et al. 2017, Table 1)",
+    ),
 )

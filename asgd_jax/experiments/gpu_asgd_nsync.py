@@ -19,7 +19,7 @@ Expected:  staleness is M x n_sync minibatches, and past a point training destab
 
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study
+from asgd_jax.studies import Arm, Settings, Study, Table
 
 COMM_TIME = 2.0
 
@@ -62,7 +62,5 @@ STUDY = Study(
         warm_epochs=4.0,
     ),
     arms=arms,
-    rows="clients",
-    columns="label",
-    curves_x=("update", "time", "epoch"),
+    table=Table(rows="clients", curves_x=("update", "time", "epoch")),
 )

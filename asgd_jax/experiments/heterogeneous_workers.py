@@ -10,7 +10,7 @@ Expected:  a slow worker's pushes are very stale; ASGD suffers most from it, DC-
 
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study, Variant
+from asgd_jax.studies import Arm, Settings, Study, Table, Variant
 
 M = 8
 CLUSTERS = {
@@ -39,6 +39,5 @@ STUDY = Study(
     quick=Settings(seeds=(0, 1), epochs=10.0),
     full=Settings(seeds=(0, 1, 2, 3, 4), epochs=40.0, evals=20),
     arms=arms,
-    rows="cluster",
-    columns="label",
+    table=Table(rows="cluster"),
 )

@@ -27,7 +27,7 @@ import numpy as np
 from asgd_jax import delays
 from asgd_jax.loss import Loss
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Problem, Settings, Study, Variant
+from asgd_jax.studies import Arm, Paper, Problem, Settings, Study, Table, Tuning, Variant
 
 DIM = 32
 NOISE = 1.0  # the gradient noise's scale per coordinate: s^2 = DIM * NOISE^2 in the bound
@@ -161,13 +161,9 @@ STUDY = Study(
     quick=QUICK,
     full=dataclasses.replace(QUICK, seeds=tuple(range(8)), workers=(16, 64, 256, 1024, 4096), time_budget=3000.0),
     arms=arms,
-    rows="M",
-    columns="label",
-    metric="time_to_target",
-    tune=("lr", "R", "S", "m"),
-    tune_by="time_to_target",
-    curves_x=("time",),
     problem=quadratic,
-    reference=optimal_time,
     measure="‖∇f‖²",
+    table=Table(rows="M", metric="time_to_target", curves_x=("time",)),
+    tuning=Tuning(over=("lr", "R", "S", "m"), by="time_to_target"),
+    paper=Paper(prediction=optimal_time),
 )

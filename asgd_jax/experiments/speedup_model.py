@@ -11,7 +11,7 @@ Expected:  speed-up grows with clients but sub-linearly (staleness costs progres
 
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study
+from asgd_jax.studies import Arm, Paper, Settings, Study, Table
 
 COMM_TIME = 1.0
 STRAGGLERS = {"straggler_prob": 0.1, "straggler_slowdown": 10.0}
@@ -51,11 +51,9 @@ STUDY = Study(
     quick=Settings(seeds=(0, 1), epochs=10.0, learning_rate=0.05, schedule="constant", target_error=0.5),
     full=Settings(seeds=(0, 1, 2), epochs=30.0, learning_rate=0.05, schedule="constant", target_error=0.45),
     arms=arms,
-    rows="clients",
-    columns="label",
-    metric="speedup",
-    baseline={"clients": 1, "n_sync": 1},
-    curves_x=("time",),
-    paper={8: {"ASGD (GPU A-SGD, ImageNet, 8 GPUs)": 3.2}},
-    paper_note="GPU A-SGD (Paine et al. 2013): 10.6 -> 3.3 days with 8 GPUs",
+    table=Table(rows="clients", metric="speedup", baseline={"clients": 1, "n_sync": 1}, curves_x=("time",)),
+    paper=Paper(
+        numbers={8: {"ASGD (GPU A-SGD, ImageNet, 8 GPUs)": 3.2}},
+        note="GPU A-SGD (Paine et al. 2013): 10.6 -> 3.3 days with 8 GPUs",
+    ),
 )

@@ -10,7 +10,7 @@ Expected:  ASGD degrades as M (and the mean staleness, about M - 1) grows; DC-AS
 from asgd_jax.delays import FixedDelay
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study, Variant
+from asgd_jax.studies import Arm, Settings, Study, Table, Variant
 
 DC = (variant("ASGD"), variant("DC-ASGD-a", lam=2.0, adaptive=True))
 
@@ -36,6 +36,5 @@ STUDY = Study(
     quick=Settings(seeds=(0, 1), epochs=10.0),
     full=Settings(seeds=(0, 1, 2, 3, 4), epochs=40.0, evals=20),
     arms=arms,
-    rows="M",
-    columns="label",
+    table=Table(rows="M"),
 )

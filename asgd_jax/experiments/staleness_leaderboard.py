@@ -28,7 +28,7 @@ import dataclasses
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.plan import Plan
-from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Variant
+from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Table, Tuning, Variant
 
 WORKERS = (4, 16, 32)
 
@@ -124,13 +124,8 @@ STUDY = Study(
     ),
     full=dataclasses.replace(DCASGD_CIFAR10, workers=WORKERS, target_error=0.3),
     arms=arms,
-    rows="label",
-    columns="M",
-    facet="cluster",
-    tune=("lr", "lambda"),
-    widen=1,  # an edge pick runs once more, one grid step further out
-    metric="time_to_target",
-    also=("test_error",),
-    curves_x=(),
-    equal_time=True,
+    table=Table(
+        "label", "M", facet="cluster", metric="time_to_target", also=("test_error",), equal_time=True, curves_x=()
+    ),
+    tuning=Tuning(over=("lr", "lambda"), widen=1),  # widen: an edge pick runs once more, one grid step further out
 )

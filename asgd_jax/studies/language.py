@@ -1,16 +1,19 @@
-"""The study language: :class:`Variant`, :class:`Arm`, :class:`Settings`, :class:`Study`, the DC-ASGD paper's
-CIFAR-10 setup, and finding the studies (:func:`load`, :func:`available`)."""
+"""The study language: :class:`Variant`, :class:`Arm`, :class:`Settings`, :class:`Study` (with its groups
+:class:`Table`, :class:`Tuning` and :class:`Paper`), the DC-ASGD paper's CIFAR-10 setup, and finding the studies
+(:func:`load`, :func:`available`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import os
 import pathlib
 import pkgutil
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from asgd_jax import delays as delays_lib
 from asgd_jax import errors, rules
@@ -22,7 +25,9 @@ METRICS = {
     "time_to_target": "virtual time to the target training error",
     "speedup": "speed-up in time to the target training error",
 }
-"""What a study's table can show (:attr:`Study.metric`, :attr:`Study.also`)."""
+"""What a study's table can show (:attr:`Table.metric`, :attr:`Table.also`)."""
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +139,9 @@ class Settings(Setup):
       workers: the worker counts the study's arms run.
 
     The setup's ``schedule`` is DC-ASGD's step decay by default (/10 at 50% and 75% of the run); ``momentum`` is
-    every rule's (the DC-ASGD paper reports none).
+    every rule's (the DC-ASGD paper reports none). A study's numbers of its own join a subclass (``DCSettings`` of
+    ``asgd_jax.experiments._dcasgd`` adds DC-ASGD's lambda_0 and m), not this class: a form stays one flat record,
+    the ``settings`` that ``results.json`` and every kept arm hold and a resume compares field by field.
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -214,8 +221,144 @@ class Problem:
 
 
 @dataclasses.dataclass(frozen=True)
+class Table:
+    """How a study shows its results (``Table(rows, columns, ...)``): the table of its final metric, a cell per row
+    and column (and facet value), and the plots drawn from the same cells.
+
+    Attributes:
+      rows, columns: the coordinates the cells are laid out by (``"label"`` is the series name); the final plot draws
+        the metric against the rows, a line per column.
+      facet: one table (and one plot panel) per value of this coordinate (``"cluster"``).
+      column_order: the columns in this order (default: as the runs come).
+      metric: ``"test_error"`` (%), ``"time_to_target"`` (virtual time) or ``"speedup"`` (the baseline's
+        time-to-target over the run's).
+      also: more metrics, each one more table of the same cells (``("time_to_target",)``).
+      baseline: the coordinates of the speed-up baseline.
+      equal_time: the time to target is measured under one virtual-time budget per column (and facet value), the
+        same for every row (rule) there: the time at which the column's earliest-finishing run ended its budget of
+        epochs, so that every run of the column ran at least that long; a crossing later does not count. Without it,
+        each run's own budget of epochs bounds its time to target (a slower rule is given more time).
+      curves_x: x axes of the training-curve plots (``"epoch"``, ``"update"``, ``"time"``; ``()``: none).
+    """
+
+    rows: str = "M"
+    columns: str = "label"
+    facet: str | None = None
+    column_order: tuple[str, ...] | None = None
+    metric: str = "test_error"
+    also: tuple[str, ...] = ()
+    baseline: Mapping[str, Any] | None = None
+    equal_time: bool = False
+    curves_x: tuple[str, ...] = ("epoch",)
+
+    def __post_init__(self):
+        for metric in (self.metric, *self.also):
+            errors.choice("metric", metric, METRICS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """A tuned study: each cell shows the runs of its best setting, and the table lists the picks.
+
+    Attributes:
+      over: the coordinates tuned per cell (``("lr", "lambda")``; ``()``, the default: none).
+      by: what a pick minimises, a run's ``"train_error"`` (its final smoothed training error, the default: the test
+        set never picks) or ``"time_to_target"`` (a run that never reaches the target counts as the worst).
+      widen: rounds of grid widening: after the arms, every cell whose tuned learning rate is the smallest or largest
+        of 3 or more tried there runs that variant again one grid step further out (the step the grid's two outermost
+        values make), and the picks are made again; a pick still at the edge stays marked * (default 0: none).
+    """
+
+    over: tuple[str, ...] = ()
+    by: str = "train_error"
+    widen: int = 0
+
+    def __post_init__(self):
+        errors.choice("by", self.by, ("train_error", "time_to_target"))
+        errors.int_at_least("widen", self.widen, 0, "--widen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Paper:
+    """What the paper says, beside what the study measures.
+
+    Attributes:
+      numbers: its numbers, ``{row: {column: value}}``, printed beside ours.
+      note: where they come from (its setup, table and authors).
+      prediction: ``prediction(settings, rows) -> (label, {row: value})``: a curve drawn beside the final metric's
+        lines (a theory's prediction, up to a constant: it is scaled to the best measured value at each row, their
+        median ratio).
+    """
+
+    numbers: Mapping[Any, Mapping[str, float]] | None = None
+    note: str = ""
+    prediction: Callable[[Settings, list[Any]], tuple[str, Mapping[Any, float]]] | None = None
+
+
+#: ``Study``'s keywords of before the groups (deprecated, for one release): each one's group and its name there.
+FLAT_KEYWORDS = {
+    "rows": ("table", "rows"),
+    "columns": ("table", "columns"),
+    "facet": ("table", "facet"),
+    "column_order": ("table", "column_order"),
+    "metric": ("table", "metric"),
+    "also": ("table", "also"),
+    "baseline": ("table", "baseline"),
+    "equal_time": ("table", "equal_time"),
+    "curves_x": ("table", "curves_x"),
+    "tune": ("tuning", "over"),
+    "tune_by": ("tuning", "by"),
+    "widen": ("tuning", "widen"),
+    "paper_note": ("paper", "note"),
+    "reference": ("paper", "prediction"),
+}
+_GROUPS: dict[str, Any] = {"table": Table, "tuning": Tuning, "paper": Paper}
+
+
+def _deprecated(old: str, group: str, name: str) -> None:
+    kind = _GROUPS[group].__name__
+    warnings.warn(
+        f"Study({old}=...) is deprecated: write Study({group}={kind}({name}=...)); the flat keywords go in the next "
+        "release",
+        DeprecationWarning,
+        stacklevel=4,  # the caller of Study(...)
+    )
+
+
+def _grouped(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``Study``'s keywords with those of before the groups (``rows=``, ``tune=``, ``paper={row: {...}}``, ...) moved
+    into their group, each with a ``DeprecationWarning`` naming it."""
+    if "paper" in kwargs and not isinstance(kwargs["paper"], Paper):  # the paper's numbers themselves, as before
+        _deprecated("paper", "paper", "numbers")
+        kwargs["paper"] = Paper(numbers=kwargs["paper"])
+    changes: dict[str, dict[str, Any]] = {}
+    for old in [k for k in kwargs if k in FLAT_KEYWORDS]:
+        group, name = FLAT_KEYWORDS[old]
+        _deprecated(old, group, name)
+        changes.setdefault(group, {})[name] = kwargs.pop(old)
+    for group, values in changes.items():
+        kwargs[group] = dataclasses.replace(kwargs.get(group, _GROUPS[group]()), **values)
+    return kwargs
+
+
+def _takes_flat_keywords(cls: type[_T]) -> type[_T]:
+    """``cls`` whose ``__init__`` also takes the keywords of before the groups (:data:`FLAT_KEYWORDS`)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **_grouped(kwargs))
+
+    setattr(cls, "__init__", __init__)  # noqa: B010 (an assignment is mypy's method-assign error)
+    return cls
+
+
+@_takes_flat_keywords
+@dataclasses.dataclass(frozen=True)
 class Study:
-    """A reproduction study.
+    """A reproduction study: what it reproduces, its forms and arms, and its knobs in three groups (a new knob joins
+    one of them): :class:`Table` (what the table and plots show, and their layout), :class:`Tuning` (a tuned study's
+    picks) and :class:`Paper` (the paper's numbers and prediction).
 
     Attributes:
       name: the command-line name (``asgd-jax run <name>``).
@@ -223,36 +366,19 @@ class Study:
       reproduces: what it reproduces and the expected qualitative result (goes into the report).
       quick, full: the two forms' :class:`Settings` (quick: minutes on 2 CPU cores; full: the paper's setup).
       arms: ``arms(settings, quick) -> list[Arm]``.
-      rows, columns: the table lays out the final metric with these coordinates as rows and columns (``"label"``
-        is the series name).
-      metric: ``"test_error"`` (%), ``"time_to_target"`` (virtual time) or ``"speedup"`` (the baseline's
-        time-to-target over the run's).
-      baseline: the coordinates of the speed-up baseline.
-      curves_x: x axes of the training-curve plots (``"epoch"``, ``"update"``, ``"time"``).
-      paper: the paper's numbers, ``{row: {column: value}}``, printed beside ours.
-      column_order: the table's columns in this order (default: as the runs come).
       forms: more named forms beside ``quick`` and ``full`` (``asgd-jax ablate`` runs ``dcasgd_table1``'s).
-      tune: coordinates tuned per cell (``("lr", "lambda")``): a cell shows the runs of its best setting, the one with
-        the lowest mean final training error (the test set never picks), and the table lists the picks.
-      facet: one table (and one plot panel) per value of this coordinate (``"cluster"``).
-      also: more metrics, each one more table of the same cells (``("time_to_target",)``).
-      tune_by: what a tuned pick minimises, a run's ``"train_error"`` (its final smoothed training error, the
-        default) or ``"time_to_target"`` (a run that never reaches the target counts as the worst).
       problem: ``problem(settings) -> Problem``: the study's own loss, weights and data instead of the settings'
         dataset and model.
-      widen: rounds of grid widening: after the arms, every cell whose tuned learning rate is the smallest or largest
-        of 3 or more tried there runs that variant again one grid step further out (the step the grid's two outermost
-        values make), and the picks are made again; a pick still at the edge stays marked * (default 0: none).
-      reference: ``reference(settings, rows) -> (label, {row: value})``: a curve drawn beside the final metric's
-        lines (a theory's prediction, up to a constant: it is scaled to the best measured value at each row, their
-        median ratio).
-      equal_time: the time to target is measured under one virtual-time budget per column (and facet value), the
-        same for every row (rule) there: the time at which the column's earliest-finishing run ended its budget of
-        epochs, so that every run of the column ran at least that long; a crossing later does not count. Without it,
-        each run's own budget of epochs bounds its time to target (a slower rule is given more time).
       measure: the name of a :attr:`problem`'s own training measure (its loss's aux ``error``, e.g. ``"‖∇f‖²"``):
         tables and plots call it so, and the curves draw it as it is, on a log axis. None (the default): the
         classification training error, drawn in %.
+      table: the table's layout and metric, and the plots (:class:`Table`; default: the test error by ``"M"`` and
+        ``"label"``).
+      tuning: the coordinates tuned per cell and how (:class:`Tuning`; default: none).
+      paper: the paper's numbers and prediction (:class:`Paper`; default: none).
+
+    The keywords of before the groups (``rows=``, ``tune=``, ``paper={row: {...}}``, ...: :data:`FLAT_KEYWORDS`) still
+    work for one release, each with a ``DeprecationWarning`` naming its group.
     """
 
     name: str
@@ -261,30 +387,18 @@ class Study:
     quick: Settings
     full: Settings
     arms: Callable[[Settings, bool], list[Arm]]
-    rows: str = "M"
-    columns: str = "label"
-    metric: str = "test_error"
-    baseline: Mapping[str, Any] | None = None
-    curves_x: tuple[str, ...] = ("epoch",)
-    paper: Mapping[Any, Mapping[str, float]] | None = None
-    paper_note: str = ""
-    column_order: tuple[str, ...] | None = None
+    _: dataclasses.KW_ONLY
     forms: Mapping[str, Settings] = dataclasses.field(default_factory=dict)
-    tune: tuple[str, ...] = ()
-    facet: str | None = None
-    also: tuple[str, ...] = ()
-    tune_by: str = "train_error"
     problem: Callable[[Settings], Problem] | None = None
-    widen: int = 0
-    reference: Callable[[Settings, list[Any]], tuple[str, Mapping[Any, float]]] | None = None
-    equal_time: bool = False
     measure: str | None = None
+    table: Table = Table()
+    tuning: Tuning = Tuning()
+    paper: Paper = Paper()
 
     def __post_init__(self):
-        for metric in (self.metric, *self.also):
-            errors.choice("metric", metric, METRICS)
-        errors.choice("tune_by", self.tune_by, ("train_error", "time_to_target"))
-        errors.int_at_least("widen", self.widen, 0, "--widen")
+        for field, kind in (("table", Table), ("tuning", Tuning), ("paper", Paper)):
+            value = getattr(self, field)
+            errors.require(isinstance(value, kind), field, value, f"give a studies.{kind.__name__}(...)")
         if self.measure is not None:
             errors.require(
                 isinstance(self.measure, str) and self.measure.strip() != "",

@@ -16,23 +16,25 @@ __all__ = ["best_tuned", "cell_of", "grid_edges", "time_budgets", "within_budget
 
 def cell_of(study: Study, r: dict[str, Any]) -> tuple[Any, Any, Any]:
     """A run's table cell: ``(facet, row, column)`` of its coordinates."""
-    return (r.get(study.facet) if study.facet else None, r.get(study.rows), r.get(study.columns))
+    t = study.table
+    return (r.get(t.facet) if t.facet else None, r.get(t.rows), r.get(t.columns))
 
 
 def time_budgets(study: Study, runs: list[dict[str, Any]]) -> dict[tuple[Any, Any], float]:
-    """With :attr:`Study.equal_time`, each column's virtual-time budget: ``{(facet, column): T}``, T the earliest end
+    """With :attr:`Table.equal_time`, each column's virtual-time budget: ``{(facet, column): T}``, T the earliest end
     of a run there (every run of the column covers ``[0, T]``); without it, none.
 
     Example:
-      >>> import dataclasses
       >>> from asgd_jax import studies
-      >>> study = dataclasses.replace(studies.load("staleness_leaderboard"), equal_time=True)
+      >>> study = studies.load("staleness_leaderboard")
+      >>> study.table.equal_time
+      True
       >>> runs = [{"label": rule, "M": 4, "cluster": "uniform", "virtual_time": t} for rule, t in [("ASGD", 90.0),
       ...         ("SSGD", 240.0), ("ASGD", 93.5)]]
       >>> studies.time_budgets(study, runs)
       {('uniform', 4): 90.0}
     """
-    if not study.equal_time:
+    if not study.table.equal_time:
         return {}
     budgets: dict[tuple[Any, Any], float] = {}
     for r in runs:
@@ -43,7 +45,7 @@ def time_budgets(study: Study, runs: list[dict[str, Any]]) -> dict[tuple[Any, An
 
 def within_budgets(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs with a time to target past their column's budget (:func:`time_budgets`) made "not reached" (NaN);
-    the runs themselves unchanged without :attr:`Study.equal_time`."""
+    the runs themselves unchanged without :attr:`Table.equal_time`."""
     budgets = time_budgets(study, runs)
     if not budgets:
         return runs
@@ -58,8 +60,8 @@ def within_budgets(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, A
 def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[tuple, dict[str, Any]]]:
     """The runs of each cell's best tuned setting, and the picks: ``{(facet, row, column): {"lr": 0.1, ...}}``.
 
-    A cell's runs are grouped by their :attr:`Study.tune` coordinates; the group with the lowest mean of
-    :attr:`Study.tune_by` wins (the final training error by default; a diverged run, or one that never reaches the
+    A cell's runs are grouped by their :attr:`Tuning.over` coordinates; the group with the lowest mean of
+    :attr:`Tuning.by` wins (the final training error by default; a diverged run, or one that never reaches the
     target, counts as the worst), so the test set only reports. Without ``tune``: all runs, no picks.
 
     Example:
@@ -71,21 +73,21 @@ def best_tuned(study: Study, runs: list[dict[str, Any]]) -> tuple[list[dict[str,
       >>> [r["lr"] for r in kept], picks
       ([0.2, 0.2], {('uniform', 'ASGD', 4): {'lr': 0.2}})
     """
-    if not study.tune:
+    if not study.tuning.over:
         return runs, {}
     groups: dict[tuple, dict[tuple, list[dict[str, Any]]]] = {}
     for r in runs:
-        groups.setdefault(cell_of(study, r), {}).setdefault(tuple(r.get(k) for k in study.tune), []).append(r)
+        groups.setdefault(cell_of(study, r), {}).setdefault(tuple(r.get(k) for k in study.tuning.over), []).append(r)
 
     def score(group: list[dict[str, Any]]) -> float:
-        errs = np.asarray([r[study.tune_by] for r in group], np.float64)
+        errs = np.asarray([r[study.tuning.by] for r in group], np.float64)
         return float(errs.mean()) if np.isfinite(errs).all() else math.inf
 
     kept, picks = [], {}
     for cell, by_setting in groups.items():
         setting = min(by_setting, key=lambda k: score(by_setting[k]))
         kept += by_setting[setting]
-        picks[cell] = {k: v for k, v in zip(study.tune, setting, strict=True) if v is not None}
+        picks[cell] = {k: v for k, v in zip(study.tuning.over, setting, strict=True) if v is not None}
     return kept, picks
 
 
@@ -93,7 +95,7 @@ def grid_edges(study: Study, runs: list[dict[str, Any]], picks: dict[tuple, dict
     """Per cell, the tuned coordinates whose pick is the smallest or largest of 3 or more values tried there."""
     tried: dict[tuple, dict[str, set]] = {}
     for r in runs:
-        for k in study.tune:
+        for k in study.tuning.over:
             if r.get(k) is not None:
                 tried.setdefault(cell_of(study, r), {}).setdefault(k, set()).add(r[k])
     return {

@@ -49,13 +49,13 @@ def _measure(study: Study) -> str:
 
 def _cell_values(study: Study, runs: list[dict[str, Any]], metric: str | None = None) -> dict[tuple, tuple]:
     """``{(facet, row, column): (mean, std)}`` of ``metric`` (default: the study's) over the seeds."""
-    metric = metric or study.metric
+    metric = metric or study.table.metric
     groups: dict[tuple, list[float]] = {}
     for r in runs:
         groups.setdefault(cell_of(study, r), []).append(_metric_value(metric, r))
     cells = {k: tuple(float(x) for x in metrics_lib.mean_std(np.asarray(v))) for k, v in groups.items()}
     if metric == "speedup":
-        base_runs = [r for r in runs if all(r.get(k) == v for k, v in (study.baseline or {}).items())]
+        base_runs = [r for r in runs if all(r.get(k) == v for k, v in (study.table.baseline or {}).items())]
         base = float(np.mean([r["time_to_target"] for r in base_runs])) if base_runs else math.nan
         cells = {k: (base / mean if mean > 0 else math.nan, 0.0) for k, (mean, _) in cells.items()}
     return cells
@@ -66,8 +66,9 @@ def _layout(study: Study, cells) -> tuple[list, list, list]:
     facets = _ordered(f for f, _, _ in cells)
     rows = _ordered(r for _, r, _ in cells)
     cols = list(dict.fromkeys(c for _, _, c in cells))
-    if study.column_order:
-        cols = sorted(cols, key=lambda c: study.column_order.index(c) if c in study.column_order else len(cols))
+    order = study.table.column_order
+    if order:
+        cols = sorted(cols, key=lambda c: order.index(c) if c in order else len(cols))
     return facets, rows, cols
 
 
@@ -76,9 +77,9 @@ def _grid(study: Study, cells: dict[tuple, Any], text: Callable[[Any], str]) -> 
     facets, rows, cols = _layout(study, cells)
     lines: list[str] = []
     for facet in facets:
-        if study.facet:
-            lines += ["", f"{study.facet} = {facet}", ""]
-        lines.append(f"| {study.rows} | " + " | ".join(map(str, cols)) + " |")
+        if study.table.facet:
+            lines += ["", f"{study.table.facet} = {facet}", ""]
+        lines.append(f"| {study.table.rows} | " + " | ".join(map(str, cols)) + " |")
         lines.append("|---" * (len(cols) + 1) + "|")
         for row in rows:
             if any((facet, row, col) in cells for col in cols):
@@ -93,14 +94,14 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     runs = within_budgets(study, runs)
     kept, picks = best_tuned(study, runs)
     lines: list[str] = []
-    for metric in (study.metric, *study.also):
+    for metric in (study.table.metric, *study.table.also):
         cells = _cell_values(study, kept, metric)
         what = _describe(study, metric)
         if metric == "speedup":
-            what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.baseline or {}).items())})"
+            what += f" (baseline {', '.join(f'{k}={v}' for k, v in (study.table.baseline or {}).items())})"
         over = "ratio of mean times" if metric == "speedup" else "mean ± std"
-        by = _measure(study) if study.tune_by == "train_error" else "time to target"
-        tuned = f"; each cell the best of its {', '.join(study.tune)} grid by {by}" if study.tune else ""
+        by = _measure(study) if study.tuning.by == "train_error" else "time to target"
+        tuned = f"; each cell the best of its {', '.join(study.tuning.over)} grid by {by}" if study.tuning.over else ""
 
         def text(cell, metric=metric):
             if cell is None or math.isnan(cell[0]):
@@ -108,23 +109,23 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
             return f"{cell[0]:.2f}x" if metric == "speedup" else f"{cell[0]:.2f} ± {cell[1]:.2f}"
 
         lines += ([""] if lines else []) + [f"{what}, {over} over {num_seeds} seed(s){tuned}"]
-        lines += ([] if study.facet else [""]) + _grid(study, cells, text)
+        lines += ([] if study.table.facet else [""]) + _grid(study, cells, text)
         if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
             lines += ["", "—: the target was not reached within the budget (in at least one seed)."]
         if metric in ("time_to_target", "speedup") and budgets:
             lines += ["", "The budget of each column (virtual time, the same for every rule there: when its earliest"]
             lines += ["run ended its epochs)"]
             per_column = {(facet, "budget", column): t for (facet, column), t in budgets.items()}
-            lines += ([] if study.facet else [""]) + _grid(study, per_column, lambda t: f"{t:.1f}" if t else "")
+            lines += ([] if study.table.facet else [""]) + _grid(study, per_column, lambda t: f"{t:.1f}" if t else "")
     if picks:
         edges = grid_edges(study, runs, picks)
-        by = _measure(study) if study.tune_by == "train_error" else "time to target"
-        lines += ["", f"The tuned settings picked (lowest {by} over {', '.join(study.tune)})"]
+        by = _measure(study) if study.tuning.by == "train_error" else "time to target"
+        lines += ["", f"The tuned settings picked (lowest {by} over {', '.join(study.tuning.over)})"]
         marked = {
             cell: ", ".join(f"{k} {v:g}{'*' if k in edges[cell] else ''}" for k, v in p.items())
             for cell, p in picks.items()
         }
-        lines += ([] if study.facet else [""]) + _grid(study, marked, str)
+        lines += ([] if study.table.facet else [""]) + _grid(study, marked, str)
         if any(edges.values()):
             lines += ["", "*: the edge of its grid (of 3 or more values): a wider grid may do better."]
     diverged = sum(not math.isfinite(r.get("train_error", 0.0)) for r in runs)
@@ -133,17 +134,17 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
             "",
             f"{diverged:,} of {len(runs):,} runs diverged (their {_measure(study)} turned NaN or Inf)",
         ]
-        lines[-1] += ": a tuned cell counts such a setting as its worst." if study.tune else "."
-    if study.paper:
-        pcols = list(dict.fromkeys(c for v in study.paper.values() for c in v))
+        lines[-1] += ": a tuned cell counts such a setting as its worst." if study.tuning.over else "."
+    if study.paper.numbers:
+        pcols = list(dict.fromkeys(c for v in study.paper.numbers.values() for c in v))
         lines += [
             "",
-            f"Paper{': ' + study.paper_note if study.paper_note else ''}",
+            f"Paper{': ' + study.paper.note if study.paper.note else ''}",
             "",
-            f"| {study.rows} | " + " | ".join(pcols) + " |",
+            f"| {study.table.rows} | " + " | ".join(pcols) + " |",
             "|---" * (len(pcols) + 1) + "|",
         ]
-        for row, values in study.paper.items():
+        for row, values in study.paper.numbers.items():
             lines.append(f"| {row} | " + " | ".join(f"{values[c]:.2f}" if c in values else "" for c in pcols) + " |")
     return "\n".join(lines)
 
@@ -166,7 +167,7 @@ def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, 
                 width,
                 yerr=[p[2] for p in pts],
                 capsize=2,
-                label=str(col) if study.columns == "label" else f"{study.columns} {col}",
+                label=str(col) if study.table.columns == "label" else f"{study.table.columns} {col}",
             )
             none = [xi for xi, p in zip(x, pts, strict=True) if not math.isfinite(p[1])]
             if none:  # (an empty line drawn unclipped would stretch the panel's layout box to the figure's origin)
@@ -179,7 +180,7 @@ def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, 
     if not numeric:
         ax.set_xticks(range(len(rows)), [str(r) for r in rows] if labels else [], rotation=35, ha="right", fontsize=8)
     else:
-        ax.set_xlabel(study.rows)
+        ax.set_xlabel(study.table.rows)
     ax.grid(alpha=0.3, axis="y" if not numeric else "both")
     return missing
 
@@ -217,23 +218,24 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, referenc
     axes, missing = list(axes.flat), False
     for ax, facet in zip(axes, facets, strict=True):
         missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1])
-        if reference is not None and numeric and metric == study.metric:
+        if reference is not None and numeric and metric == study.table.metric:
             _reference_line(ax, cells, facet, rows, *reference)
-        if study.facet:
-            ax.set_title(f"{study.facet} = {facet}", fontsize=9)
+        if study.table.facet:
+            ax.set_title(f"{study.table.facet} = {facet}", fontsize=9)
     axes[0 if numeric else len(axes) // 2].set_ylabel("speed-up" if metric == "speedup" else _describe(study, metric))
     axes[-1 if numeric else 0].legend(fontsize=7, ncol=len(cols) if len(axes) > 1 and not numeric else 1)
-    tuned = f" (best of each {'/'.join(study.tune)} grid)" if study.tune else ""
-    within = " within its column's time budget" if study.equal_time and metric in ("time_to_target", "speedup") else ""
+    tuned = f" (best of each {'/'.join(study.tuning.over)} grid)" if study.tuning.over else ""
+    budgeted = study.table.equal_time and metric in ("time_to_target", "speedup")
+    within = " within its column's time budget" if budgeted else ""
     note = f"\nx: no value (the target not reached{within} in some seed, or diverged)" if missing else ""
-    title = study.title if metric == study.metric else f"{study.title.split(':')[0]}: {_describe(study, metric)}"
+    title = study.title if metric == study.table.metric else f"{study.title.split(':')[0]}: {_describe(study, metric)}"
     fig.suptitle(textwrap.fill(f"{title}{tuned}", 64 if numeric and len(facets) == 1 else 110) + note, fontsize=10)
     return fig
 
 
 def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
     """``final.png`` (the table's metric against its rows, one line or bar group per column, one panel per facet
-    value), ``final_<metric>.png`` for :attr:`Study.also`, and ``curves_<x>.png``."""
+    value), ``final_<metric>.png`` for :attr:`Table.also`, and ``curves_<x>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,15 +243,15 @@ def plot(result: StudyResult, folder: str | os.PathLike) -> list[str]:
 
     study, paths = result.study, []
     runs, _ = best_tuned(study, within_budgets(study, result.runs))
-    for metric in (study.metric, *study.also):
+    for metric in (study.table.metric, *study.table.also):
         cells = _cell_values(study, runs, metric)
         rows = _ordered(r for _, r, _ in cells)
-        reference = None if study.reference is None else study.reference(result.settings, rows)
+        reference = None if study.paper.prediction is None else study.paper.prediction(result.settings, rows)
         fig = _final_figure(study, cells, metric, reference)
-        paths.append(os.path.join(folder, "final.png" if metric == study.metric else f"final_{metric}.png"))
+        paths.append(os.path.join(folder, "final.png" if metric == study.table.metric else f"final_{metric}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    for x in study.curves_x:
+    for x in study.table.curves_x:
         fig = curves_figure(result, x)
         paths.append(os.path.join(folder, f"curves_{x}.png"))
         fig.savefig(paths[-1], dpi=110)
@@ -264,7 +266,7 @@ PANELS_OVER = 10
 def _drawn_curves(study: Study, curves: Mapping[str, dict], picks: dict[tuple, dict[str, Any]]) -> dict[str, dict]:
     """The curves a plot draws: each cell's tuned pick only, in a tuned study (not every setting of its grid, nor the
     diverged ones); every curve otherwise."""
-    if not study.tune:
+    if not study.tuning.over:
         return dict(curves)
 
     def picked(c: dict) -> bool:
@@ -314,7 +316,8 @@ def curves_figure(result: StudyResult, x: str = "epoch"):
             ax.legend(fontsize=6)
         if panel is not None:
             facet, row = panel
-            ax.set_title(f"{study.facet} = {facet}, " * bool(study.facet) + f"{study.rows} = {row}", fontsize=8)
+            t = study.table
+            ax.set_title(f"{t.facet} = {facet}, " * bool(t.facet) + f"{t.rows} = {row}", fontsize=8)
         ax.grid(alpha=0.3)
         if not percent:
             ax.set_yscale("log")
@@ -332,7 +335,7 @@ def curves_figure(result: StudyResult, x: str = "epoch"):
     else:
         axes[0][0].set_ylabel(what, fontsize=9)
         axes[0][0].legend(fontsize=6 if len(curves) > 6 else 8)
-    tuned = f" (each cell's pick of its {'/'.join(study.tune)} grid)" if study.tune else ""
+    tuned = f" (each cell's pick of its {'/'.join(study.tuning.over)} grid)" if study.tuning.over else ""
     fig.suptitle(textwrap.fill(f"{study.title}{tuned}", 64 if not split else 110), fontsize=10)
     return fig
 
@@ -346,18 +349,18 @@ def plot_panels(result: StudyResult, path: str | os.PathLike) -> str:
     import matplotlib.pyplot as plt
 
     study = result.study
-    rows = _ordered(c["coords"].get(study.rows) for c in result.curves.values())
+    rows = _ordered(c["coords"].get(study.table.rows) for c in result.curves.values())
     fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False, sharey=True)
     labels = list(dict.fromkeys(c["coords"]["label"] for c in result.curves.values()))
     colors = {label: f"C{i}" for i, label in enumerate(labels)}
     for ax, row in zip(axes[0], rows, strict=True):
         for c in result.curves.values():
-            if c["coords"].get(study.rows) != row:
+            if c["coords"].get(study.table.rows) != row:
                 continue
             label = c["coords"]["label"]
             ax.plot(c["epoch"], 100 * np.asarray(c["train_error"]), color=colors[label], lw=0.8, alpha=0.6)
             ax.plot(c["eval_epoch"], 100 * np.asarray(c["test_error"]), "o-", color=colors[label], ms=3, label=label)
-        ax.set_title(f"{study.rows} = {row}")
+        ax.set_title(f"{study.table.rows} = {row}")
         ax.set_xlabel("effective epochs")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

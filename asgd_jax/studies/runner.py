@@ -362,7 +362,7 @@ def run(
         results = _run_on_ray(study, s, quick, arms, found, kept, progress, ray_address, done, runs_per_task)
         for i, arm in enumerate(arms):  # the results in arm order, whatever order the tasks finished in
             finished(arm, *results[i], tell=False)
-        if study.widen:  # the few widened arms run here, after the cluster's
+        if study.tuning.widen:  # the few widened arms run here, after the cluster's
             _widen(study, s, arms, _setup(study, s, arms, progress), progress, finished, runs)
         return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
     setup = _setup(study, s, arms, progress)
@@ -398,7 +398,7 @@ def run(
 
 
 def widened_arms(study: Study, s: Settings, arms: list[Arm], runs: list[dict[str, Any]]) -> list[Arm]:
-    """The arms one round of :attr:`Study.widen` adds: for every cell whose tuned ``lr`` sits at the edge of 3 or
+    """The arms one round of :attr:`Tuning.widen` adds: for every cell whose tuned ``lr`` sits at the edge of 3 or
     more values tried there, its picked variant one grid step further out (the ratio of the grid's two outermost
     values on that side), in a copy of the arm it came from."""
     _, picks = best_tuned(study, within_budgets(study, runs))
@@ -431,8 +431,8 @@ def widened_arms(study: Study, s: Settings, arms: list[Arm], runs: list[dict[str
 
 
 def _widen(study: Study, s: Settings, arms: list[Arm], setup: _Setup, progress: bool, finished, runs) -> None:
-    """:attr:`Study.widen` rounds: the widened arms run here (after the study's own), their runs join the cells."""
-    for _ in range(study.widen):
+    """:attr:`Tuning.widen` rounds: the widened arms run here (after the study's own), their runs join the cells."""
+    for _ in range(study.tuning.widen):
         extra = widened_arms(study, s, arms, runs)
         if not extra:
             return
