@@ -79,9 +79,9 @@ def simulate(
         ``plan.eval_interval()`` updates (``plan.eval_every``, or about twenty times a run).
       on_nonfinite: when the training loss turns NaN or Inf: ``"warn"`` (once; default), ``"stop"`` (raise
         ``FloatingPointError`` after that chunk) or ``"ignore"``.
-      checkpoint_dir: if given, the state is written there atomically at chunk ends (every ``plan.checkpoint_every``
-        updates, default every chunk), and a run started with the same arguments resumes from it (bit-identical to an
-        uninterrupted run).
+      checkpoint_dir: if given, the state is written there atomically at chunk ends (the first past every
+        ``plan.checkpoint_interval()`` updates: ``checkpoint_every``, default a tenth of the run), and a run started
+        with the same arguments resumes from it (bit-identical to an uninterrupted run).
       progress: show a progress bar.
       callback: ``callback(updates_done, state)`` called after every chunk (e.g. to log or stop early by raising).
 
