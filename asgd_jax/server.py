@@ -14,13 +14,24 @@ at w_0 (not zeros) and are snapshots: JAX arrays are immutable, so a later updat
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["ServerState", "exchange", "has_pull", "init", "pull", "push", "sent", "snapshot", "snapshot_version"]
+__all__ = [
+    "ServerState",
+    "Versioned",
+    "exchange",
+    "has_pull",
+    "init",
+    "pull",
+    "push",
+    "sent",
+    "snapshot",
+    "snapshot_version",
+]
 
 
 class ServerState(NamedTuple):
@@ -105,7 +116,14 @@ def snapshot(state: ServerState, slot: jax.Array) -> tuple[Any, Any]:
     return jax.tree.map(take, state.backup_params), jax.tree.map(take, state.backup_model_state)
 
 
-def snapshot_version(state: ServerState, slot: jax.Array) -> jax.Array:
+class Versioned(Protocol):
+    """Anything that holds per-slot pulled versions: a :class:`ServerState`, or the trainer's packed form of one."""
+
+    @property
+    def backup_version(self) -> jax.Array: ...
+
+
+def snapshot_version(state: Versioned, slot: jax.Array) -> jax.Array:
     """The version ``slot``'s snapshot was pulled at."""
     return _get(state.backup_version, slot)
 

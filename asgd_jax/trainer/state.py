@@ -177,7 +177,7 @@ class StoreState:
         def exchange_packed(st: Stored, w, g, ms):
             ok = finite_packed((*g, *ms))
             grads, model_state = layout.unpack(g), ms_layout.unpack(ms) if stateful else None
-            staleness = st.version - jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False)
+            staleness = st.version - server.snapshot_version(st, w)
             # The stale row, read before the loop that writes that row: read inside, XLA may fuse the read into the
             # row's write and copy the whole M-row stack to order the two (tests/test_store.py pins the HLO).
             stale = layout.unpack(sl.row(st, w)[0])
@@ -195,7 +195,7 @@ class StoreState:
             # The worker's backup: what this push's pull recorded (the very weights a pull sends), or, for a
             # rejected push, the weights it computed at before; either way where it computes next.
             sent = sl.row(st, w)
-            version = jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False)
+            version = server.snapshot_version(st, w)
             flags = jnp.stack([staleness, ok.astype(jnp.int32), finite_packed(sent[0]).astype(jnp.int32)])
             return st, flags, sent, version  # (the flags in one buffer: one transfer)
 
@@ -204,16 +204,22 @@ class StoreState:
             return layout.pack(server.sent(rule, s.params, s.opt_state, w)), ms_layout.pack(s.model_state)
 
         def backup(st: Stored, w):
-            return (*sl.row(st, w), jax.lax.dynamic_index_in_dim(st.backup_version, w, 0, keepdims=False))
+            return (*sl.row(st, w), server.snapshot_version(st, w))
+
+        def unpacked_backup(st: Stored, w):
+            params, model_state, version = backup(st, w)
+            return layout.unpack(params), ms_layout.unpack(model_state), version
+
+        def weights(st: Stored):
+            s = sl.load(st)
+            return layout.pack(s.params), ms_layout.pack(s.model_state)
 
         self._exchange = jax.jit(exchange_packed, donate_argnums=0)
         self._pull = jax.jit(lambda st, w: sl.pull(rule, sl.load(st), st, w), donate_argnums=0)
         self._answer = jax.jit(answer)
         self._packed_backup = jax.jit(backup)
-        self._backup = jax.jit(lambda st, w: (layout.unpack(sl.row(st, w)[0]), ms_layout.unpack(sl.row(st, w)[1])))
-        self._weights = jax.jit(
-            lambda st: (lambda s: (layout.pack(s.params), ms_layout.pack(s.model_state)))(sl.load(st))
-        )
+        self._backup = jax.jit(unpacked_backup)
+        self._weights = jax.jit(weights)
         self._of, self._full = jax.jit(sl.of), jax.jit(sl.full)
 
     @property
@@ -296,9 +302,8 @@ class StoreState:
 
     def backup(self, worker: int) -> tuple[Any, Any, int]:
         """``worker``'s backup as pytrees (device arrays) and its version."""
-        params, model_state = self._backup(self.stored, self._ids[worker])
-        version = self._packed_backup(self.stored, self._ids[worker])[2]
-        return params, model_state if self.stateful else {}, int(jax.device_get(version))
+        params, model_state, version = self._backup(self.stored, self._ids[worker])  # (one program)
+        return params, model_state, int(jax.device_get(version))
 
     def packed_backup(self, worker: int) -> tuple[tuple, tuple, int]:
         """``worker``'s backup as packed host buffers (one program, one transfer per buffer) and its version."""

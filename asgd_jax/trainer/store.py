@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from operator import attrgetter
 from typing import Any
 
 import jax
@@ -293,7 +294,7 @@ class ParameterStore:
         its donated state, the last weights it answered a push with."""
         with self.lock:
             if not self.server.lost():
-                return host_copy((self.server.state.params, self.server.state.model_state))
+                return host_copy(attrgetter("params", "model_state")(self.server.state))  # (one unpacking)
             return self.server.unpack(self.applier.last_answer)
 
     def status(self) -> StoreStatus:
