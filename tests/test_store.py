@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from concurrent.futures import Future
 
@@ -191,39 +193,81 @@ def test_a_push_that_reaches_the_queue_after_the_store_closed_is_answered_and_co
     assert s.received == s.applied + s.rejected and (s.applied, s.late) == (1, 1)
 
 
-def _pushes(pipelined: bool, payloads: list[tuple[int, np.ndarray]]) -> tuple:
-    """Pushes ``payloads`` (worker, gradient) through a DC-ASGD-a store, pipelined or not; what comes back."""
-    rule = asgd_jax.dc_asgd(0.1, 2.0, adaptive=True)
-    store = ParameterStore(rule, {"w": np.linspace(-1, 1, 6, dtype=np.float32)}, 2, pipelined=pipelined)
+def _pushes(pipelined: bool, payloads: list, folder=None, rule_name="dc_asgd_a", **store_kwargs) -> tuple:
+    """Pushes ``payloads`` (worker, gradient) through a store (DC-ASGD-a by default), pipelined or not; what comes
+    back: the answers, the status, the final weights, the snapshots and checkpoints taken (version, weights) and the
+    final checkpoint's books."""
+    rule = asgd_jax.rules.get(rule_name, 0.1, **({"num_workers": 2} if rule_name == "dana" else {}))
+    w0 = {"w": np.linspace(-1, 1, 6, dtype=np.float32)}
+    store = ParameterStore(rule, w0, 2, pipelined=pipelined, out_dir=folder, checkpoint_dir=folder, **store_kwargs)
+    taken = []
+    if folder is not None:  # every checkpoint handed to the writer (a newer one supersedes one not written yet)
+        submit = store.checkpoints.submit
+        store.checkpoints.submit = lambda c: (taken.append((int(c[0].version), np.array(c[0].params["w"]))), submit(c))
     answers = []
     try:
         versions = [store.pull(w)[2] for w in (0, 1)]
         for worker, g in payloads:
-            future = store.push(worker, jax.device_put({"w": g}, store.device), versions[worker])
             try:
+                future = store.push(worker, jax.device_put({"w": g}, store.device), versions[worker])
                 params, _, versions[worker] = future.result(timeout=30)
                 answers.append(np.array(params["w"]))
-            except BadPush:
+            except (BadPush, StoreClosed):
                 answers.append(np.array(store.backup(worker)[0]["w"]))  # where the worker goes on
                 versions[worker] = store.backup(worker)[2]
     finally:
         store.close()
-    return answers, store.status(), np.asarray(store.final_weights()[0]["w"])
+    snapshots = [(s.version, np.asarray(s.params["w"])) for s in store.take_snapshots()] + taken
+    books = None
+    if folder is not None:
+        state, arrays, _ = asgd_jax.checkpoint.load(os.path.join(folder, "checkpoint.npz"), store.state())
+        books = (
+            np.asarray(state.params["w"]),
+            int(state.version),
+            {k: np.asarray(v).tolist() for k, v in arrays.items()},
+        )
+        with open(os.path.join(folder, "trace.jsonl")) as f:  # (each line without its wall-clock time)
+            books += ([{k: v for k, v in json.loads(line).items() if k != "time"} for line in f],)
+    return answers, store.status(), np.asarray(store.final_weights()[0]["w"]), snapshots, books
+
+
+_G = lambda s: np.full(6, s, np.float32)
+_NAN = np.array([1, np.nan, 0, 0, 0, 0], np.float32)
+_PAYLOADS = [(0, _G(0.5)), (1, _G(-0.25)), (1, _NAN), (0, _G(1.0)), (1, _G(0.125)), (0, _NAN), (1, _G(2.0))]
 
 
 def test_a_pipelined_store_answers_and_books_exactly_as_an_unpipelined_one():
     # Pipelined, a push is answered before the host reads its flags: a NaN push is answered with its worker's
-    # backup (where it goes on) and booked as rejected when the next push arrives, or when the store closes.
-    g = lambda s: np.full(6, s, np.float32)
-    nan = np.array([1, np.nan, 0, 0, 0, 0], np.float32)
-    payloads = [(0, g(0.5)), (1, g(-0.25)), (1, nan), (0, g(1.0)), (1, g(0.125)), (0, nan)]
-    plain, plain_status, plain_final = _pushes(False, payloads)
-    piped, piped_status, piped_final = _pushes(True, payloads)
+    # backup (where it goes on) and booked as rejected when the next push arrives (after that one is dispatched:
+    # two in flight), or when the store closes.
+    plain, plain_status, plain_final, _, _ = _pushes(False, _PAYLOADS)
+    piped, piped_status, piped_final, _, _ = _pushes(True, _PAYLOADS)
     for a, b in zip(plain, piped, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(plain_final, piped_final)
-    assert (piped_status.applied, piped_status.rejected, piped_status.received) == (4, 2, 6)
+    assert (piped_status.applied, piped_status.rejected, piped_status.received) == (5, 2, 7)
     assert piped_status._replace(times=None) == plain_status._replace(times=None)
+
+
+@pytest.mark.parametrize("rule_name", ["dc_asgd_a", "dana"])  # (DANA's snapshots read the state: it sends a look-ahead)
+@pytest.mark.parametrize("every", [1, 2, 3])
+@pytest.mark.parametrize("taking", ["checkpoint_every", "snapshot_every"])
+def test_a_pipelined_store_checkpoints_snapshots_and_ends_at_the_same_updates(tmp_path, taking, every, rule_name):
+    # Two pushes in flight only where nothing is decided from the books of the first: the budget's last update, a
+    # checkpoint and a snapshot are taken with the books exact, at the very updates an unpipelined store takes them.
+    kwargs = {"num_updates": 4, taking: every, "rule_name": rule_name}
+    finite = [(w, _G(0.3 * i - 0.5)) for i, (w, _) in enumerate(_PAYLOADS)]
+    plain = _pushes(False, finite, str(tmp_path / "plain"), **kwargs)
+    piped = _pushes(True, finite, str(tmp_path / "piped"), **kwargs)
+    for a, b in zip(plain[0], piped[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert piped[1]._replace(times=None) == plain[1]._replace(times=None)
+    assert (piped[1].applied, piped[1].late) == (4, 3)
+    assert [v for v, _ in piped[3]] == [v for v, _ in plain[3]] == list(range(every, 5, every))
+    for (_, a), (_, b) in zip(plain[3], piped[3], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(plain[4][0], piped[4][0])
+    assert plain[4][1:] == piped[4][1:]
 
 
 @pytest.mark.parametrize("rule_name", ["asgd", "dc_asgd_a", "dana"])

@@ -74,6 +74,30 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     assert sum(w.pushes for w in result.workers) == result.pushes_sent
 
 
+def test_a_worker_on_the_stores_device_is_computed_by_the_store_and_trains_the_same(tmp_path, no_implicit_transfers):
+    # One worker on cpu:0: with the store there too, the store runs the worker's period and the exchange as one
+    # program (messages.Computed; the worker books it all as compute); with the store on cpu:1, two programs and a
+    # hand-over. The same run either way: the same trace, weights to float rounding (one program or two may
+    # contract a multiply-add differently), the same counts.
+    def run(store_device):
+        config = TrainConfig(
+            Plan(1, num_updates=30, batch_size=4), seed=3, out=str(tmp_path / store_device), store_device=store_device
+        )
+        result = train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config, devices=jax.devices()[:1])
+        lines = pathlib.Path(result.trace_path).read_text().splitlines()
+        return result, [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
+
+    computed, computed_trace = run("cpu")
+    handed, handed_trace = run("cpu:1")
+    assert computed_trace == handed_trace and len(computed_trace) == 30
+    np.testing.assert_allclose(computed.params, handed.params, rtol=1e-6, atol=1e-7)
+    assert (computed.pushes_applied, computed.pushes_sent) == (handed.pushes_applied, handed.pushes_sent) == (30, 31)
+    assert computed.workers[0].exchange == 0.0 < computed.workers[0].compute
+    assert handed.workers[0].exchange > 0.0
+    # The push that found the store closed: computed, its period never ran (no loss); handed over, it had.
+    assert (len(computed.workers[0].losses), len(handed.workers[0].losses)) == (30, 31)
+
+
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
     original = asgd_jax.trainer.loader.ShardLoader.batch

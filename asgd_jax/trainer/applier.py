@@ -11,21 +11,25 @@ Pipelined (a plain asynchronous run in this process, ``store.pipelined``): the a
 before it answers. It dispatches a push's exchange and answers at once with the exchange's outputs as they lie on the
 device (the worker's backup: the fresh weights, or for a rejected push the weights it computed at), so the worker's
 next gradient is queued behind the exchange while the host is still busy; the push's flags are read, and the push
-written in the books, when the next one arrives (:meth:`Applier.settle`), before anything is decided from the books
-(the budget, a checkpoint, a snapshot, divergence) and before anyone reads the state and the books together. The
-order, the bits and the books are those of the unpipelined store: a push is applied exactly once, in arrival order,
-and a rejected one is counted, traced and leaves the state as it was; only the moment the books learn of it moves.
+written in the books (:meth:`Applier.settle`), once the next push is dispatched too (two in flight: the device goes
+from one to the next without waiting for the host's books), or before it where something is decided from the books
+when they learn of the first (the budget's last update, a checkpoint, a snapshot), and before anyone reads the state
+and the books together. A worker on the store's own device hands over its minibatches instead of a payload
+(:class:`~asgd_jax.trainer.messages.Computed`): its period and the exchange run as one program. The order, the bits
+and the books are those of the unpipelined store: a push is applied exactly once, in arrival order, and a rejected one
+is counted, traced and leaves the state as it was; only the moment the books learn of it moves.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from asgd_jax.trainer.messages import BadPush, Snapshot, StoreClosed
+from asgd_jax.trainer.messages import BadPush, Computed, Snapshot, StoreClosed
 
 if TYPE_CHECKING:
     from asgd_jax.trainer.store import ParameterStore
@@ -43,7 +47,8 @@ class Applier:
         self._stopped = False
         self.snapshots: list[Snapshot] = []
         self.last_answer = store.server.answer(0)  # the final weights, should a failing exchange consume the state
-        self._pending: tuple | None = None  # pipelined: the dispatched push whose flags are not read yet
+        self._pending: collections.deque = collections.deque()  # pipelined: dispatched, flags not read yet (<= 2)
+        self._settling = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="store-applier")
         self._thread.start()
 
@@ -113,7 +118,7 @@ class Applier:
     def _died(self, error: BaseException, item: tuple | None) -> None:
         """A failing apply stops the run at once, with its error; the push it died on is answered too."""
         store = self.store
-        self._pending = None  # (the flags of a dispatched push could not be read: it is not in the books)
+        self._pending.clear()  # (the flags of a dispatched push could not be read: it is not in the books)
         store.fail(RuntimeError(f"the store's applier failed: {type(error).__name__}: {error}"))
         if item is not None and not item[-1].done():
             with store.lock:
@@ -125,7 +130,9 @@ class Applier:
         seconds its exchange program took (to its answer on the host)."""
         store = self.store
         t0 = time.perf_counter()
-        self.settle()  # the push before it: the books are exact before anything is decided from them
+        ahead = self._ahead()
+        if not ahead:
+            self.settle()  # the push before it: the books are exact before anything is decided from them
         waited = time.perf_counter() - t0
         budget_reached = store.num_updates is not None and store.applied >= store.num_updates
         if store.closed and (budget_reached or store.error is not None):
@@ -139,12 +146,9 @@ class Applier:
             future.set_result(store.pull(worker, packed=packed))
             return waited
         if store.pipelined:
-            with store.lock:
-                t0 = time.perf_counter()
-                dispatched = store.server.dispatch(worker, payload, model_state)
-                self._pending = (worker, round_info, dispatched)
-            future.set_result((*dispatched.answer, dispatched.version) if packed else self._unpacked(dispatched))
-            return waited + time.perf_counter() - t0
+            seconds = self._dispatch(worker, payload, model_state, round_info, packed, future)
+            self.settle(keep=1)  # (gone ahead: the push before it, while this one computes)
+            return waited + seconds
         with store.lock:
             t0 = time.perf_counter()
             out = store.server.exchange(worker, payload, model_state)
@@ -160,28 +164,60 @@ class Applier:
         future.set_result(result)
         return seconds
 
+    def _ahead(self) -> bool:
+        """Pipelined: whether this push may be dispatched before the one before it is in the books (which then come
+        while it computes, the device never idle between them): only where nothing is decided from the books when
+        they learn of the push before it (whether it is applied or not): not the budget's last update, a checkpoint or
+        a snapshot, nor a store that closed."""
+        store = self.store
+        if not store.pipelined or not self._pending or store.closed:
+            return False
+        after = store.applied + 1  # (the push before it, applied)
+        return (
+            (store.num_updates is None or after < store.num_updates)
+            and not store.checkpoints.due(after)
+            and not (store.snapshot_every and after % store.snapshot_every == 0)
+        )
+
+    def _dispatch(self, worker, payload, model_state, round_info, packed, future: Future) -> float:
+        """Pipelined: dispatches the push's exchange (or, :class:`~asgd_jax.trainer.messages.Computed`, the worker's
+        period with it) and answers at once with its outputs on the device; the seconds it took."""
+        store = self.store
+        with store.lock:
+            t0 = time.perf_counter()
+            if isinstance(payload, Computed):  # the worker's period and the exchange, one program
+                dispatched, loss = store.server.dispatch_computed(worker, payload)
+            else:
+                dispatched, loss = store.server.dispatch(worker, payload, model_state), None
+            self._pending.append((worker, round_info, dispatched))
+        answer = (*dispatched.answer, dispatched.version) if packed else self._unpacked(dispatched)
+        future.set_result(answer if loss is None else (*answer, loss))
+        return time.perf_counter() - t0
+
     def _unpacked(self, dispatched) -> tuple:
         params, model_state = self.store.server.unpack(dispatched.answer)  # (a caller of pytrees: waits here)
         return params, model_state, int(dispatched.version)
 
-    def settle(self) -> None:
-        """Pipelined: reads the flags of the push dispatched last (waits for the device) and writes it in the books:
-        applied (then checked for divergence, the budget, a checkpoint, a snapshot) or rejected. Idempotent; the
-        applier calls it before each push and at its end, the store before it reads the state with the books."""
-        with self.store.lock:
-            if self._pending is None:
-                return
-            worker, round_info, dispatched = self._pending
-            self._pending = None
-            out = self.store.server.settle(dispatched)
-            pulled_version = self.store.applied - out.staleness  # the store's own record (the worker's is a future)
-            if out.ok:
-                self.store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
-                self._after_update(out.sound, out.answer)
-        if out.ok:
-            self.store.notify_version()
-        else:
-            self._reject_nonfinite(worker, pulled_version, round_info)  # counted; the worker went on at its backup
+    def settle(self, keep: int = 0) -> None:
+        """Pipelined: reads the flags of the pushes dispatched (waits for the device), all but the last ``keep``, in
+        their order, and writes each in the books: applied (then checked for divergence, the budget, a checkpoint, a
+        snapshot) or rejected. Idempotent; the applier calls it around each push and at its end, the store before it
+        reads the state with the books."""
+        with self._settling:  # (one settler at a time: the books learn of the pushes in their order)
+            while True:
+                with self.store.lock:
+                    if len(self._pending) <= keep:
+                        return
+                    worker, round_info, dispatched = self._pending.popleft()
+                    out = self.store.server.settle(dispatched)
+                    pulled_version = self.store.applied - out.staleness  # the store's own record
+                    if out.ok:
+                        self.store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
+                        self._after_update(out.sound, out.answer)
+                if out.ok:
+                    self.store.notify_version()
+                else:
+                    self._reject_nonfinite(worker, pulled_version, round_info)  # counted; the worker went on
 
     def _after_update(self, sound: bool, answer: tuple) -> None:
         """Under the lock, after an applied update: divergence, the budget, a checkpoint, a snapshot."""

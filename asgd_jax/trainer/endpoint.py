@@ -15,7 +15,7 @@ import optax
 
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.discipline import Discipline
-from asgd_jax.trainer.messages import Answer, BadPush, Progress, StaleRound, StoreClosed, Sync, Weights
+from asgd_jax.trainer.messages import Answer, BadPush, Computed, Progress, StaleRound, StoreClosed, Sync, Weights
 from asgd_jax.trainer.store import ParameterStore
 
 __all__ = ["Endpoint", "for_run"]
@@ -95,7 +95,7 @@ class Endpoint:
         """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts. In a
         round discipline every worker computes at the current weights, worker 0's backup."""
         if self.discipline.rounds:
-            return Weights(*self.store.round_weights(packed=True))
+            return Weights(*self.store.rounds.weights(packed=True))
         return Weights(*self.store.pull(worker, packed=True))
 
     def wait_version(self, version: int, timeout: float) -> int:
@@ -120,6 +120,22 @@ class Endpoint:
         if self.discipline.rounds and self.store.closed:  # that was the last round: nobody computes another one
             return Answer("closed", None, self.store.status().error or "the store reached its number of updates")
         return Answer("ok", Weights(*weights))
+
+    def push_computed(self, worker: int, push: Computed) -> Answer:
+        """A :class:`~asgd_jax.trainer.messages.Computed` push (a worker on a pipelined store's device): the store runs
+        the worker's period at its backup and applies the payload, one program; the answer carries the loss."""
+        try:
+            *weights, loss = self.store.push(worker, push, 0, None, packed=True).result(timeout=self.timeout)
+        except StoreClosed as e:
+            return Answer("closed", None, str(e))
+        with self._lock:
+            self._losses.append(loss)
+        return Answer("ok", Weights(*weights), loss=loss)
+
+    def warm_up_computed(self, worker: int, push: Computed) -> None:
+        """Compiles ``push``'s program (on a scratch copy of the state) before the run's clock starts."""
+        with self.store.lock:
+            self.store.server.warm_up_computed(worker, push)
 
     def progress(self) -> Progress:
         """The store's status, the losses pushed since the last call and the snapshots taken since (handed over)."""

@@ -14,6 +14,7 @@ __all__ = [
     "ANSWERS",
     "Answer",
     "BadPush",
+    "Computed",
     "Finished",
     "Progress",
     "Snapshot",
@@ -49,12 +50,30 @@ class Sync(NamedTuple):
     position: int
 
 
+class Computed(NamedTuple):
+    """A push whose payload the store computes: a worker on the store's own device (a pipelined store in this process)
+    hands over its exchange period and minibatches, and the store runs the period at the worker's backup and the
+    exchange as one program (one dispatch per update, nothing handed between programs).
+
+    Attributes:
+      work: the worker's period, :func:`asgd_jax.exchange.worker_function`'s (one program: ``n_sync`` 1, or a scan).
+      batches: its ``n_sync`` minibatches, stacked (host arrays: they cross to the device in the program's call).
+      model_key: the run's model key, on the store's device.
+    """
+
+    work: Any
+    batches: Any
+    model_key: Any
+
+
 class Answer(NamedTuple):
-    """A store's answer to a push (see :data:`ANSWERS`); ``weights`` for ``"ok"``, ``why`` otherwise."""
+    """A store's answer to a push (see :data:`ANSWERS`); ``weights`` for ``"ok"``, ``why`` otherwise; ``loss``: a
+    :class:`Computed` push's training loss (on the device)."""
 
     status: str
     weights: Weights | None
     why: str = ""
+    loss: Any = None
 
     def fresh(self) -> Weights:
         """The weights an ``"ok"`` or ``"restart"`` answer carries (the worker computes at them next)."""
@@ -161,12 +180,14 @@ class WorkerStats:
     stopped: int = 0
     wasted: float = 0.0
 
-    def add(self, *, data: float, compute: float, exchange: float, loss: SupportsFloat) -> None:
-        """One push: its times and its loss (a device scalar while the worker runs: :meth:`settled` reads them)."""
+    def add(self, *, data: float, compute: float, exchange: float, loss: SupportsFloat | None) -> None:
+        """One push: its times and its loss (a device scalar while the worker runs: :meth:`settled` reads them;
+        ``None`` for a push whose period never ran: a computed push that found the store closed)."""
         self.pushes += 1
         self.data, self.compute, self.exchange = self.data + data, self.compute + compute, self.exchange + exchange
         self.total += data + compute + exchange
-        self.losses.append(loss)
+        if loss is not None:
+            self.losses.append(loss)
 
     def merged(self, other: WorkerStats | None) -> WorkerStats:
         """These stats and ``other``'s (a worker restarted within a session), summed."""

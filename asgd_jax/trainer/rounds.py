@@ -38,6 +38,12 @@ class Rounds:
         self._answer: tuple | BaseException | None = None  # the last round's (params, model_state, version)
         self.aborted: str | None = None
 
+    def weights(self, *, packed: bool = False) -> tuple[Any, Any, int]:
+        """Where every worker of a round computes: worker 0's backup (every round is its push), as host copies
+        (``packed``: packed buffers), and its version."""
+        params, model_state, version = self.store.packed_backup(0)
+        return (*self.store.reply((params, model_state), packed), version)
+
     def push_round(self, worker: int, payload: Any, pulled_version: int, model_state: Any, timeout, packed: bool):
         """SSGD: ``worker``'s payload for the round at ``pulled_version``; blocks until all M have sent theirs.
 
@@ -91,14 +97,14 @@ class Rounds:
                         store.ledger.received += 1
                         store.ledger.ignored_push(worker, pulled_version, uses_minibatch=False)
                     self._skips[worker] = self._skips.get(worker, 0) + 1
-                    return store.round_weights(packed=packed)
+                    return self.weights(packed=packed)
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {store.applied}")
             payload, model_state = store.server.packed_payload(worker, payload, model_state, packed)
             self._gathered.append((worker, payload, model_state, self._skips.pop(worker, 0)))
             number = self._number
             if len(self._gathered) < g.size:
                 if g.kind == "rennala":
-                    return store.round_weights(packed=packed)
+                    return self.weights(packed=packed)
                 return self._await(number, f"worker {worker}: the round at version {pulled_version}", timeout, packed)
             entries = sorted(self._gathered, key=lambda e: e[0]) if g.kind == "msync" else self._gathered
             self._gathered = []
@@ -132,7 +138,7 @@ class Rounds:
             )
         except BadPush as e:
             log.warning("round at version %d: %s", pulled_version, e)
-            answer = store.round_weights(packed=True)
+            answer = self.weights(packed=True)
         except StoreClosed as e:
             answer = e
         self._number, self._answer = number + 1, answer

@@ -10,6 +10,7 @@ calls it under its lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 import optax
 
 from asgd_jax import packing, server
-from asgd_jax.trainer.messages import BadPush
+from asgd_jax.trainer.messages import BadPush, Computed
 
 __all__ = ["Dispatched", "Exchanged", "StateLayout", "Stored", "StoreState", "finite_packed", "host", "host_copy"]
 
@@ -214,6 +215,8 @@ class StoreState:
             s = sl.load(st)
             return layout.pack(s.params), ms_layout.pack(s.model_state)
 
+        self._exchange_packed = exchange_packed  # (what a computed push's program ends with)
+        self._computed: dict[Any, Callable] = {}  # a computed push's program, per worker period
         self._exchange = jax.jit(exchange_packed, donate_argnums=0)
         self._pull = jax.jit(lambda st, w: sl.pull(rule, sl.load(st), st, w), donate_argnums=0)
         self._answer = jax.jit(answer)
@@ -285,6 +288,38 @@ class StoreState:
         self.stored, flags, sent, version = self._exchange(self.stored, self._ids[worker], payload, model_state)
         return Dispatched(flags, sent, version)
 
+    def dispatch_computed(self, worker: int, push: Computed, *, state: Stored | None = None) -> tuple[Dispatched, Any]:
+        """A :class:`~asgd_jax.trainer.messages.Computed` push: the worker's period at its backup row and the exchange
+        of its payload, one program, dispatched like :meth:`dispatch`; and the period's loss (on the device).
+        ``state``: run it on that copy instead of the live state (a warm-up)."""
+        program = self._computed.get(push.work)
+        if program is None:
+            program = self._computed[push.work] = self._compile_computed(push.work)
+        with jax.transfer_guard_host_to_device("allow"):  # the minibatches: the one transfer, in the call
+            out = program(self.stored if state is None else state, self._ids[worker], push.batches, push.model_key)
+        if state is None:
+            self.stored = out[0]
+        return Dispatched(*out[1:4]), out[4]
+
+    def _compile_computed(self, work: Callable) -> Callable:
+        sl, exchange_packed = self.stored_layout, self._exchange_packed
+
+        def computed(st: Stored, w, batches, model_key):
+            params, model_state = sl.row(st, w)  # where the worker computes: its backup
+            payload, model_state, loss, _ = work(
+                params, model_state, batches, model_key, server.snapshot_version(st, w), w
+            )
+            return (*exchange_packed(st, w, payload, model_state), loss)
+
+        return jax.jit(computed, donate_argnums=0)
+
+    def warm_up_computed(self, worker: int, push: Computed) -> None:
+        """Compiles a computed push's program on a scratch copy of the state (the live state untouched)."""
+        jax.block_until_ready(self.dispatch_computed(worker, push, state=self._scratch()))
+
+    def _scratch(self) -> Stored:
+        return _copy(self.stored)
+
     @staticmethod
     def settle(dispatched: Dispatched) -> Exchanged:
         """A dispatched exchange's flags on the host (waits for the device), its answer left where it lies."""
@@ -323,9 +358,8 @@ class StoreState:
     def warm_up(self) -> None:
         """Compiles the exchange and the lookups now, the exchange on a scratch copy of the state (donated; the live
         state is untouched) and a zero payload made on the device."""
-        scratch = jax.jit(lambda st: jax.tree.map(jnp.copy, st))(self.stored)
         g, ms = self.put(self.zeros)
-        jax.block_until_ready(self._exchange(scratch, self._ids[0], g, ms))
+        jax.block_until_ready(self._exchange(self._scratch(), self._ids[0], g, ms))
         jax.block_until_ready(self._packed_backup(self.stored, self._ids[0]))
         jax.block_until_ready(self._weights(self.stored))
         jax.block_until_ready(self._full(self.stored))  # (what a checkpoint reads: not compiled mid-run)
@@ -341,6 +375,9 @@ class StoreState:
     def restore(self, state: server.ServerState) -> None:
         """Replaces the state with a checkpoint's (moved to the store's device)."""
         self.stored = self._of(jax.device_put(state, self.device))
+
+
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 def host(packed: Any) -> Any:

@@ -45,7 +45,7 @@ from asgd_jax import checkpoint, errors, server
 from asgd_jax.trainer.applier import Applier
 from asgd_jax.trainer.discipline import Gather
 from asgd_jax.trainer.ledger import Ledger
-from asgd_jax.trainer.messages import BadPush, Snapshot, StaleRound, StoreClosed, StoreStatus, StoreTimes
+from asgd_jax.trainer.messages import BadPush, Computed, Snapshot, StaleRound, StoreClosed, StoreStatus, StoreTimes
 from asgd_jax.trainer.persistence import Checkpoints, check_header, trace_pin
 from asgd_jax.trainer.rounds import Rounds
 from asgd_jax.trainer.state import StoreState, host_copy
@@ -162,37 +162,40 @@ class ParameterStore:
     def push(self, worker, payload, pulled_version, model_state=None, round_info=None, *, packed=False) -> Future:
         """Queues a payload computed at the weights of ``pulled_version``.
 
-        The payload is the model's pytree or its packed buffers (:attr:`layout`, what a worker sends); it is moved to
-        the store's device here, on the pushing thread (not at all if it lies there already), while the applier
-        applies the pushes queued before it; pipelined, the pushing thread then applies it itself, in turn.
-        ``round_info``: a gathered round's mean (its workers and their skips, for the trace).
+        The payload is the model's pytree or its packed buffers (:attr:`layout`, what a worker sends), moved to the
+        store's device on the pushing thread (unless it lies there), while the applier applies the pushes before it
+        (pipelined, the pushing thread applies it itself, in turn; a :class:`~asgd_jax.trainer.messages.Computed`
+        one it computes too, its loss a fourth item of the answer). ``round_info``: a gathered round's mean.
 
         Returns:
-          A future resolving to ``(params, model_state, version)``: the weights right after this push was applied,
-          already recorded as this worker's backup (its next pull), as pytrees (``packed``: packed buffers). It raises
-          :class:`BadPush` for a rejected non-finite payload and :class:`StoreClosed` once the store stopped.
+          A future of ``(params, model_state, version)``: the weights right after this push, already this worker's
+          backup (its next pull), as pytrees (``packed``: packed buffers); :class:`BadPush` for a rejected non-finite
+          payload, :class:`StoreClosed` once the store stopped.
 
         Raises:
           BadPush: at once, for a payload whose structure, shapes or dtypes do not fit the model.
           StoreClosed: when the store no longer takes pushes.
         """
         _check_worker(worker, self.num_workers)
+        computed = isinstance(payload, Computed)  # (Endpoint.push_computed)
+        errors.require(self.pipelined or not computed, "payload", payload, "only a pipelined store computes a push")
         with self.lock:
             self.ledger.received += 1
             if self._closed.is_set():
                 self.ledger.late_push()
                 raise StoreClosed(self.closed_reason())
-        try:
-            g, ms = self.server.packed_payload(worker, payload, model_state, packed)
-        except BadPush:
-            with self.lock:
-                self.ledger.rejected += 1
-            raise
-        t0 = time.perf_counter()
-        g, ms = self.server.put((g, ms))  # explicit; overlaps the apply of the pushes ahead of it
-        self.add_times(transfer_in=time.perf_counter() - t0)
+        if not computed:
+            try:
+                g, ms = self.server.packed_payload(worker, payload, model_state, packed)
+            except BadPush:
+                with self.lock:
+                    self.ledger.rejected += 1
+                raise
+            t0 = time.perf_counter()
+            payload, model_state = self.server.put((g, ms))  # explicit; overlaps the apply of the pushes ahead
+            self.add_times(transfer_in=time.perf_counter() - t0)
         future: Future = Future()
-        self.applier.put((worker, g, ms, pulled_version, round_info, packed, future))
+        self.applier.put((worker, payload, model_state, pulled_version, round_info, packed, future))
         return future
 
     def push_round(self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False):
@@ -234,12 +237,6 @@ class ParameterStore:
         _check_worker(worker, self.num_workers)
         with self.lock:
             return self.server.packed_backup(worker)
-
-    def round_weights(self, *, packed: bool = False) -> tuple[Any, Any, int]:
-        """Where every worker of a round computes: worker 0's backup (every round is its push), as host copies
-        (``packed``: packed buffers), and its version."""
-        params, model_state, version = self.packed_backup(0)
-        return (*self.reply((params, model_state), packed), version)
 
     def lower_exchange(self, worker: int, payload: Any, model_state: Any = None) -> jax.stages.Lowered:
         """The compiled exchange (push then pull) for ``worker``'s ``payload``, lowered, for inspection: what one push

@@ -9,6 +9,7 @@ GIL), then one thread per worker.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -59,15 +60,12 @@ def run(
     status = the_store.status()
     metrics.open(config.out, status)
     layouts = packing.layouts(params, model_state)
+    setups = [WorkerSetup.of_run(config, w, ex, model_state is not None, layouts, in_process=True) for w in range(m)]
+    # A worker on the store's own device: the store computes its pushes (its period and the exchange, one program).
+    on_store = lambda w: the_store.pipelined and groups[w % len(groups)] == [the_store.device]
     workers = [
-        Worker(
-            WorkerSetup.of_run(config, w, ex, model_state is not None, layouts, in_process=True),
-            endpoint,
-            loss,
-            data,
-            groups[w % len(groups)],
-        )
-        for w in range(m)
+        Worker(dataclasses.replace(s, computed=on_store(w)), endpoint, loss, data, groups[w % len(groups)])
+        for w, s in enumerate(setups)
     ]
     backend = _Threads(endpoint, workers)
     try:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, SupportsFloat, SupportsInt
+from typing import Any, NamedTuple, Protocol, SupportsFloat, SupportsInt, cast
 
 import jax
 import numpy as np
@@ -37,9 +37,10 @@ from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.loader import ShardLoader
-from asgd_jax.trainer.messages import Answer, Sync, Weights, WorkerStats
+from asgd_jax.trainer.messages import Answer, Computed, Sync, Weights, WorkerStats
 
 __all__ = [
+    "Computing",
     "DeviceGroup",
     "StoreLink",
     "WorkInputs",
@@ -71,6 +72,16 @@ class StoreLink(Protocol):
         """The store's applied updates once they reach ``version``, or after ``timeout`` seconds; -1 once it closed."""
 
 
+class Computing(StoreLink, Protocol):
+    """A link to a pipelined store in this process, which computes the pushes of a worker on its device."""
+
+    def push_computed(self, worker: int, push: Computed) -> Answer:
+        """The worker's period and the exchange, one program of the store's; the answer carries the loss."""
+
+    def warm_up_computed(self, worker: int, push: Computed) -> None:
+        """Compiles that program before the run's clock starts."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerSetup:
     """Everything a worker is configured with, the same on every substrate.
@@ -90,6 +101,9 @@ class WorkerSetup:
         the round methods that stop at a round's end (the run's ``Discipline.stop_stale``); ``None``: never.
       direct: the payload and its loss go to the store as they lie on the worker's device (a store in this
         process: device to device, nothing waited for), not through the host.
+      computed: the worker's device is a pipelined store's own (in this process): the store runs its period and the
+        exchange as one program (:class:`~asgd_jax.trainer.messages.Computed`), where a period is one program (not
+        XLA:CPU's local steps, each its own) and nothing waits on the period (no straggling, no stops).
     """
 
     worker: int
@@ -102,6 +116,7 @@ class WorkerSetup:
     slowdown: float = 1.0
     stop_stale: int | None = None
     direct: bool = False
+    computed: bool = False
 
     @property
     def key(self) -> jax.Array:
@@ -224,6 +239,8 @@ class Worker:
         loop = "steps" if devices[0].platform == "cpu" else "scan"
         self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop)
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
+        one_program = loop == "scan" or ex.n_sync == 1
+        self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None
 
     def _start(self) -> tuple[Weights, ShardLoader]:
         """The weights to compute at and a loader at the data position, from what the store knows."""
@@ -250,9 +267,15 @@ class Worker:
         weights, loader = self._start()
         try:
             batches = stack_batches([loader.batch(0)] * self.setup.exchange.n_sync)
-            jax.block_until_ready(self._compute(weights, batches))
+            if self.computed:
+                cast(Computing, self.link).warm_up_computed(self.setup.worker, self._computed(batches))
+            else:
+                jax.block_until_ready(self._compute(weights, batches))
         finally:
             loader.close()
+
+    def _computed(self, batches: Any) -> Computed:
+        return Computed(self.work, batches, self.group.model_key)
 
     def run(self, stop: threading.Event | None = None) -> WorkerStats:
         """Pushes until the store closes (or ``stop`` is set); returns where the worker's time went.
@@ -262,6 +285,8 @@ class Worker:
         store's answer, ``total`` all of the loop.
         """
         stop = stop or threading.Event()
+        if self.computed:
+            return self._run_computed(stop)
         s, stats = self.setup, WorkerStats()
         weights, loader = self._start()
         batches = None  # kept while a computation on them is restarted
@@ -297,6 +322,24 @@ class Worker:
                         log.warning("worker %d: %s", s.worker, answer.why)
                     loader.close()
                     weights, loader = self._start()
+        finally:
+            loader.close()
+        return stats.settled()
+
+    def _run_computed(self, stop: threading.Event) -> WorkerStats:
+        """:meth:`run` for a worker whose pushes the store computes: its minibatches in, one program per update (its
+        time is ``compute``: the period and the exchange are one program)."""
+        s, stats, link = self.setup, WorkerStats(), cast(Computing, self.link)
+        _, loader = self._start()  # (the store computes at the worker's backup: no weights to hold here)
+        try:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
+                t1 = time.perf_counter()
+                answer = link.push_computed(s.worker, self._computed(batches))
+                stats.add(data=t1 - t0, compute=time.perf_counter() - t1, exchange=0.0, loss=answer.loss)
+                if answer.status != "ok":  # ("closed": a computed push is never rejected at once)
+                    break
         finally:
             loader.close()
         return stats.settled()
