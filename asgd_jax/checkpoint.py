@@ -182,14 +182,29 @@ class Writer:
             except queue.Full:
                 with contextlib.suppress(queue.Empty):
                     self._pending.get_nowait()
+                    self._pending.task_done()  # (superseded)
 
     def _loop(self) -> None:
-        while (item := self._pending.get()) is not None:
+        while True:
+            item = self._pending.get()
             try:
+                if item is None:
+                    return
                 save(self.path, *item)
             except Exception as e:  # a full disk: stop now, while the previous checkpoint is still the latest
                 why = f"writing the checkpoint {self.path} failed ({e}); the previous one stays valid"
                 self._on_error(OSError(why))
+            finally:
+                self._pending.task_done()  # (what flush waits for)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Waits (up to ``timeout`` seconds) until the checkpoint being written and the one pending are on disk, or
+        failed: what is on disk is then what a message about it may say."""
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            return
+        done = self._pending.all_tasks_done
+        with done:
+            done.wait_for(lambda: self._pending.unfinished_tasks == 0, timeout)
 
     def close(self, timeout: float = 600.0) -> None:
         """Writes what is pending, then stops."""

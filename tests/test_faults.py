@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import numpy as np
@@ -199,6 +200,35 @@ def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_check
     if (tmp_path / "checkpoint.npz").exists():  # whatever is there is whole: the atomic write kept the previous one
         saved = np.load(tmp_path / "checkpoint.npz")
         assert json.loads(bytes(saved["__header__"]).decode())["applied"] >= 10
+
+
+def test_a_stopped_runs_message_says_what_its_folder_holds_once_a_write_under_way_ends(tmp_path, monkeypatch):
+    # A run that stops while its checkpoint writer is mid-write (the trace's disk fills at update 23, the checkpoint
+    # of update 20 still being written) must not say "no checkpoint" and then leave one: the message waits for the
+    # write under way. (The write is held open until a timer lets it go; whenever the message is asked, after or
+    # during the write, it names what the folder holds once the write is done.)
+    from asgd_jax.trainer.persistence import Checkpoints
+
+    started, release, real_save = threading.Event(), threading.Event(), checkpoint.save
+
+    def slow_save(path, *contents):
+        started.set()
+        release.wait(60)
+        real_save(path, *contents)
+
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    errors = []
+    keeper = Checkpoints(tmp_path, 10, errors.append)
+    state = asgd_jax.server.init(asgd_jax.asgd(0.1), {"w": np.zeros(3, np.float32)}, 2)
+    keeper.submit((state, {"positions": np.zeros(2, np.int64)}, {"applied": 20}))
+    assert started.wait(60)
+    timer = threading.Timer(0.2, release.set)
+    timer.start()
+    assert keeper.way_on() == "resume (--resume)" and keeper.exists()
+    assert keeper.kept() == "the last checkpoint holds the last finite weights"
+    keeper.close()
+    timer.join()
+    assert not errors
 
 
 def test_a_dead_applier_stops_the_run_at_once_with_its_error():

@@ -93,11 +93,17 @@ class Checkpoints:
         return True
 
     def kept(self) -> str:
-        """What is on disk, for a message about weights that went wrong."""
-        if self.exists():
+        """What is on disk, for a message about weights that went wrong (once a write under way is done)."""
+        if self._written():
             return "the last checkpoint holds the last finite weights"
         return "no checkpoint had been written yet"
 
     def way_on(self) -> str:
-        """How a stopped run goes on: from its checkpoint, or from the start when none was written yet."""
-        return "resume (--resume)" if self.exists() else "start again: no checkpoint had been written yet"
+        """How a stopped run goes on: from its checkpoint, or from the start when none was written yet (once a write
+        under way is done: the message says what the folder will hold)."""
+        return "resume (--resume)" if self._written() else "start again: no checkpoint had been written yet"
+
+    def _written(self) -> bool:
+        if self._writer is not None:
+            self._writer.flush()
+        return self.exists()
