@@ -7,8 +7,11 @@ session's clock, which starts after the programs are compiled; the floor is time
 store's busy share from the same file. Configurations: 1, 2 and 4 workers at n_sync 1, and one worker at n_sync 4 and
 16 (`--push accumulate`: the summed gradients of n_sync minibatches at the pulled weights), compared in minibatches/s.
 
-    .venv/bin/python experiments/benchmarks/trainer_vs_loop.py              # ~4 minutes on 2 cores
-    .venv/bin/python experiments/benchmarks/trainer_vs_loop.py --steps 500  # shorter
+    .venv/bin/python experiments/benchmarks/trainer_vs_loop.py                        # ~10 minutes on 2 cores
+    .venv/bin/python experiments/benchmarks/trainer_vs_loop.py --steps 500 --reps 1   # shorter
+
+This machine's speed drifts by a third within minutes: every run is timed beside a floor of its own, and the table
+gives the median ratio with its range.
 """
 
 from __future__ import annotations
@@ -76,18 +79,27 @@ def train(workers: int, n_sync: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000, help="server updates per run (n_sync 1)")
+    parser.add_argument("--reps", type=int, default=3, help="runs of each configuration, each beside a floor")
     args = parser.parse_args()
-    base = floor(args.steps)
-    print(f"jax {jax.__version__}; floor: plain jitted loop {base:,.1f} steps/s (cnn, digits, batch {BATCH})")
-    print("| workers | n_sync | updates/s | minibatches/s | ÷ floor (minibatches) | store busy | worker overhead |")
+    print(
+        f"jax {jax.__version__}; floor: a plain jitted loop (cnn, digits, batch {BATCH}), timed right before each run"
+    )
+    print(f"medians of {args.reps} runs; each ratio is a run over the floor measured beside it")
+    print("| workers | n_sync | updates/s | minibatches/s | ÷ floor (minibatches) | floor steps/s | store busy |")
     print("|---|---|---|---|---|---|---|")
     for workers, n_sync in ((1, 1), (2, 1), (4, 1), (1, 4), (1, 16)):
         steps = max(args.steps // n_sync, 50)
-        s = train(workers, n_sync, steps)
-        rate = s["updates_per_second"]
+        rates, ratios, floors, busy = [], [], [], []
+        for _ in range(args.reps):
+            floors.append(floor(args.steps))
+            s = train(workers, n_sync, steps)
+            rates.append(s["updates_per_second"])
+            ratios.append(rates[-1] * n_sync / floors[-1])
+            busy.append(s["store"]["busy"])
+        rate = float(np.median(rates))
         print(
-            f"| {workers} | {n_sync} | {rate:,.1f} | {rate * n_sync:,.1f} | {rate * n_sync / base:.2f} | "
-            f"{s['store']['busy']:.0%} | {np.mean(s['worker_overhead']):.0%} |",
+            f"| {workers} | {n_sync} | {rate:,.1f} | {rate * n_sync:,.1f} | {np.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {np.median(floors):,.1f} | {np.median(busy):.0%} |",
             flush=True,
         )
 
