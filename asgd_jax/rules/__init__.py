@@ -29,6 +29,8 @@ of the most used. Import from here (``asgd_jax.rules.gap_aware``), not from the 
 - ``async_local_sgd``: Delayed Nesterov (Liu et al. 2024): ``delayed_nesterov``.
 - ``taming_momentum``: DANA (Hakimi et al. 2019), a :class:`PullRule`: ``dana``.
 - ``combinators``: rules of rules: ``weight_decayed``, ``one_of``.
+- ``compressors``: compressors of the pushed payload, chained before a rule with ``compressed``: ``rand_k``,
+  ``top_k`` (with per-worker error feedback), ``qsgd``.
 - ``registry``: the rules by name: ``RULES``, ``names``, ``defaults``, ``required``, ``get``, ``register``,
   ``fingerprint``.
 - ``common``: what the rules share: the hyperparameter checks, the SGD step, :class:`PullRule`.
@@ -46,6 +48,7 @@ from asgd_jax.rules.async_sgd import asgd
 from asgd_jax.rules.combinators import one_of, weight_decayed
 from asgd_jax.rules.common import PullRule
 from asgd_jax.rules.common import ScalarOrSchedule as ScalarOrSchedule  # importable here as before the split
+from asgd_jax.rules.compressors import CompressorState, compressed, qsgd, rand_k, top_k
 from asgd_jax.rules.delay_adaptive import delay_adaptive_sgd, scale_by_delay_adaptive
 from asgd_jax.rules.delay_compensation import ScaleByDelayCompensationState, dc_asgd, scale_by_delay_compensation
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
@@ -57,12 +60,14 @@ from asgd_jax.rules.taming_momentum import DanaState, dana
 
 __all__ = [
     "RULES",
+    "CompressorState",
     "DanaState",
     "DelayedNesterovState",
     "GapAwareState",
     "PullRule",
     "ScaleByDelayCompensationState",
     "asgd",
+    "compressed",
     "dc_asgd",
     "delay_adaptive_sgd",
     "delay_threshold_sgd",
@@ -75,12 +80,15 @@ __all__ = [
     "defaults",
     "names",
     "one_of",
+    "qsgd",
+    "rand_k",
     "register",
     "required",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_staleness",
     "staleness_aware_sgd",
+    "top_k",
     "weight_decayed",
 ]
 
