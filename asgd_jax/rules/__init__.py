@@ -28,6 +28,8 @@ of the most used. Import from here (``asgd_jax.rules.gap_aware``), not from the 
 - ``gap_aware_mitigation``: Gap-Aware (Barkai et al., ICLR 2020): ``gap_aware``.
 - ``async_local_sgd``: Delayed Nesterov (Liu et al. 2024): ``delayed_nesterov``.
 - ``taming_momentum``: DANA (Hakimi et al. 2019), a :class:`PullRule`: ``dana``.
+- ``incremental_aggregation``: IA²SGD (Wang et al. 2024, for heterogeneous data): ``scale_by_incremental_aggregation``,
+  ``ia2sgd``.
 - ``combinators``: rules of rules: ``weight_decayed``, ``one_of``.
 - ``compressors``: compressors of the pushed payload, chained before a rule with ``compressed``: ``rand_k``,
   ``top_k`` (with per-worker error feedback), ``qsgd``.
@@ -54,6 +56,11 @@ from asgd_jax.rules.delay_compensation import ScaleByDelayCompensationState, dc_
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
 from asgd_jax.rules.drop_stale_gradient import drop_stale
 from asgd_jax.rules.gap_aware_mitigation import GapAwareState, gap_aware
+from asgd_jax.rules.incremental_aggregation import (
+    IncrementalAggregationState,
+    ia2sgd,
+    scale_by_incremental_aggregation,
+)
 from asgd_jax.rules.registry import RULES, defaults, fingerprint, get, names, register, required
 from asgd_jax.rules.staleness_aware import scale_by_staleness, staleness_aware_sgd
 from asgd_jax.rules.taming_momentum import DanaState, dana
@@ -64,6 +71,7 @@ __all__ = [
     "DanaState",
     "DelayedNesterovState",
     "GapAwareState",
+    "IncrementalAggregationState",
     "PullRule",
     "ScaleByDelayCompensationState",
     "asgd",
@@ -77,6 +85,7 @@ __all__ = [
     "fingerprint",
     "gap_aware",
     "get",
+    "ia2sgd",
     "defaults",
     "names",
     "one_of",
@@ -86,6 +95,7 @@ __all__ = [
     "required",
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
+    "scale_by_incremental_aggregation",
     "scale_by_staleness",
     "staleness_aware_sgd",
     "top_k",
