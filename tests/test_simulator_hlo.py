@@ -107,6 +107,20 @@ def test_an_update_reads_the_pushing_workers_snapshot_once_and_writes_one_backup
     assert counts["param select"] == 0, counts
 
 
+@pytest.mark.parametrize("rule", ["asgd", "dc_asgd_a"])
+def test_an_elementwise_loss_at_a_thousand_workers_writes_one_backup_row_and_copies_no_stack(rule):
+    # The gradient of 0.5 x.x reads the snapshot elementwise: read as a fused slice, XLA:CPU copied the whole
+    # [1000, d] backup stack twice per update to order those reads before the pull's in-place write (#36).
+    d = 64
+    loss = lambda w, b: 0.5 * jnp.sum(w * w) + 0.0 * jnp.mean(b["x"])
+    data = {"x": jnp.ones((8000, 1))}
+    plan = asgd_jax.Plan(delays.Workers(1000), batch_size=8, chunk=10)
+    lowered = asgd_jax.simulator.lower(loss, asgd_jax.rules.get(rule, 0.01), jnp.zeros(d), data, plan)
+    counts = _inventory(lowered.compile().as_text(), 1000, [(d,)])
+    assert counts["stack dynamic-update-slice"] == 1, counts  # the pull: one row, in place
+    assert sum(v for k, v in counts.items() if k.startswith("stack ")) == 1, counts  # and no copy of the stack
+
+
 @pytest.mark.parametrize("model", [delays.FixedDelay(0), delays.Workers(1)], ids=repr)
 def test_a_single_slot_costs_what_sequential_sgd_costs(model, floor_copies):
     # One slot always holds w_t: the loop reads the live weights and writes the slot once per chunk, so the update
