@@ -76,13 +76,25 @@ def test_mnist1d_is_generated_once_and_read_back_from_disk_identical(tmp_path, m
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.fixture(scope="module")
+def kept_mnist1d(tmp_path_factory):
+    """MNIST-1D (seed 1) generated once for the damage tests: its arrays and its kept file's name and bytes."""
+    folder = tmp_path_factory.mktemp("kept")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ASGD_JAX_CACHE_DIR", str(folder))
+        asgd_jax.data.clear_cache()
+        reference = asgd_jax.data.load("mnist1d", seed=1)
+        asgd_jax.data.clear_cache()
+    (kept,) = (folder / "datasets").iterdir()
+    return reference, kept.name, kept.read_bytes()
+
+
 @pytest.mark.parametrize("fault", ["truncate", "flip", "empty"])
-def test_a_damaged_kept_dataset_is_regenerated_not_used(tmp_path, monkeypatch, fault):
+def test_a_damaged_kept_dataset_is_regenerated_not_used(tmp_path, monkeypatch, fault, kept_mnist1d):
+    reference, name, raw = kept_mnist1d
     monkeypatch.setenv("ASGD_JAX_CACHE_DIR", str(tmp_path))
-    asgd_jax.data.clear_cache()
-    reference = asgd_jax.data.load("mnist1d", seed=1)
-    (kept,) = (tmp_path / "datasets").iterdir()
-    raw = kept.read_bytes()
+    kept = tmp_path / "datasets" / name
+    kept.parent.mkdir()
     damaged = {"truncate": raw[: len(raw) // 2], "flip": bytearray(raw), "empty": b""}[fault]
     if fault == "flip":  # one bit in the middle of an array's bytes
         damaged[len(raw) // 2] ^= 0x10
