@@ -64,8 +64,9 @@ def scale_by_incremental_aggregation(num_workers: int) -> optax.GradientTransfor
     def update(updates, state, params=None, *, worker, **extra):
         del params, extra
         w = jnp.asarray(worker, jnp.int32)
-        mean = jax.tree.map(lambda m, g, t: m + (g - t[w]) / num_workers, state.mean, updates, state.table)
-        table = jax.tree.map(lambda t, g: t.at[w].set(g), state.table, updates)
+        old = common.row(state.table, w)
+        mean = jax.tree.map(lambda m, g, o: m + (g - o) / num_workers, state.mean, updates, old)
+        table = common.replace_row(state.table, w, updates, old)
         seen = state.seen.at[w].set(True)
         ready = jnp.all(seen)
         step = jax.tree.map(lambda m: jnp.where(ready, m, jnp.zeros_like(m)), mean)
