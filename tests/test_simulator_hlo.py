@@ -107,12 +107,12 @@ def test_an_update_reads_the_pushing_workers_snapshot_once_and_writes_one_backup
     assert counts["param select"] == 0, counts
 
 
-@pytest.mark.parametrize("rule", ["asgd", "dc_asgd_a", "ia2sgd"])
+@pytest.mark.parametrize("rule", ["asgd", "dc_asgd_a", "ia2sgd", "dana"])
 @pytest.mark.parametrize("loss_form", ["elementwise", "dot-fed"])
 def test_a_thousand_workers_write_one_row_per_table_and_copy_no_stack_whatever_the_loss(rule, loss_form):
     # The gradient of 0.5 x.x reads the snapshot elementwise: read as a fused slice, XLA:CPU copied the whole
     # [1000, d] backup stack twice per update to order those reads before the pull's in-place write (#36); IA2SGD's
-    # table of latest gradients likewise, for either loss.
+    # table of latest gradients and DANA's momenta likewise, for either loss.
     d = 64
     x = np.random.default_rng(0).normal(size=(8000, d)).astype(np.float32)
     losses = {
@@ -120,10 +120,10 @@ def test_a_thousand_workers_write_one_row_per_table_and_copy_no_stack_whatever_t
         "dot-fed": lambda w, b: 0.5 * jnp.mean((b["x"] @ w) ** 2),
     }
     plan = asgd_jax.Plan(delays.Workers(1000), batch_size=8, chunk=10)
-    made = asgd_jax.rules.get(rule, 0.01, **({"num_workers": 1000} if rule == "ia2sgd" else {}))
+    made = asgd_jax.rules.get(rule, 0.01, **({"num_workers": 1000} if rule in ("ia2sgd", "dana") else {}))
     lowered = asgd_jax.simulator.lower(losses[loss_form], made, jnp.zeros(d), {"x": x}, plan)
     counts = _inventory(lowered.compile().as_text(), 1000, [(d,)])
-    rows = 2 if rule == "ia2sgd" else 1  # the pull's backup row (and IA2SGD's table row), in place
+    rows = 2 if rule in ("ia2sgd", "dana") else 1  # the pull's backup row (and the rule's table row), in place
     assert counts["stack dynamic-update-slice"] == rows, counts
     assert sum(v for k, v in counts.items() if k.startswith("stack ")) == rows, counts  # and no copy of a stack
 

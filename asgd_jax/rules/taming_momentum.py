@@ -82,11 +82,9 @@ def dana(
             updates = jax.tree.map(
                 lambda g, w, wb: (g + lam * g * g * (w - wb)).astype(g.dtype), updates, params, stale_params
             )
-        take = lambda v: jax.lax.dynamic_index_in_dim(v, worker, axis=0, keepdims=False)
-        put = lambda v, x: jax.lax.dynamic_update_index_in_dim(v, x.astype(v.dtype), worker, axis=0)
-        old = jax.tree.map(take, state.velocity)
+        old = common.row(state.velocity, worker)  # (read once: S's update reads it too, not only the write)
         new = jax.tree.map(lambda v, g: momentum * v + g, old, updates)
-        velocity = jax.tree.map(put, state.velocity, new)
+        velocity = common.replace_row(state.velocity, worker, new, old)
         velocity_sum = jax.tree.map(lambda s, n, o: s + n - o, state.velocity_sum, new, old)
         rate = common.rate(learning_rate, state.count)
         steps = jax.tree.map(lambda v, g: (-rate * v).astype(g.dtype), new, updates)
