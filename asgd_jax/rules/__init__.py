@@ -30,7 +30,8 @@ of the most used. Import from here (``asgd_jax.rules.gap_aware``), not from the 
 - ``taming_momentum``: DANA (Hakimi et al. 2019), a :class:`PullRule`: ``dana``.
 - ``incremental_aggregation``: IA²SGD (Wang et al. 2024, for heterogeneous data): ``scale_by_incremental_aggregation``,
   ``ia2sgd``.
-- ``combinators``: rules of rules: ``weight_decayed``, ``one_of``.
+- ``combinators``: rules of rules: ``weight_decayed``, ``one_of``, and ``chained_before`` (a transform before a rule,
+  its pull kept).
 - ``compressors``: compressors of the pushed payload, chained before a rule with ``compressed``: ``rand_k``,
   ``top_k`` (with per-worker error feedback), ``qsgd``.
 - ``registry``: the rules by name: ``RULES``, ``names``, ``defaults``, ``required``, ``get``, ``register``,
@@ -47,7 +48,7 @@ all rules share; and add one test family against the paper's definition (as ``te
 
 from asgd_jax.rules.async_local_sgd import DelayedNesterovState, delayed_nesterov
 from asgd_jax.rules.async_sgd import asgd
-from asgd_jax.rules.combinators import one_of, weight_decayed
+from asgd_jax.rules.combinators import chained_before, one_of, weight_decayed
 from asgd_jax.rules.common import PullRule
 from asgd_jax.rules.common import ScalarOrSchedule as ScalarOrSchedule  # importable here as before the split
 from asgd_jax.rules.compressors import CompressorState, compressed, qsgd, rand_k, top_k
@@ -75,6 +76,7 @@ __all__ = [
     "PullRule",
     "ScaleByDelayCompensationState",
     "asgd",
+    "chained_before",
     "compressed",
     "dc_asgd",
     "delay_adaptive_sgd",

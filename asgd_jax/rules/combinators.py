@@ -37,13 +37,19 @@ def weight_decayed(rule: Any, rate: float | jax.Array) -> Any:
         rate,
         "use a finite number >= 0",
     )
+    return chained_before(optax.add_decayed_weights(rate), rule)
+
+
+def chained_before(first: Any, rule: Any) -> Any:
+    """``optax.chain(first, rule)``, the server's extra arguments handed to what takes them; a pull rule keeps its
+    pull (what :func:`weight_decayed` and :func:`asgd_jax.rules.compressed` build)."""
     # optax.chain hands the extra arguments (stale_params, staleness, worker) only to what it knows takes them.
     inner = (
         rule
         if isinstance(rule, optax.GradientTransformationExtraArgs)
         else optax.GradientTransformationExtraArgs(rule.init, rule.update)
     )
-    chained = optax.chain(optax.add_decayed_weights(rate), inner)
+    chained = optax.chain(first, inner)
     if not callable(getattr(rule, "pull", None)):
         return chained
     return PullRule(chained.init, chained.update, lambda params, state, worker: rule.pull(params, state[1], worker))

@@ -104,26 +104,3 @@ class PullRule(NamedTuple):
     init: Callable
     update: Callable
     pull: Callable
-
-
-def row(tables: Any, worker: jax.Array) -> Any:
-    """Row ``worker`` of per-worker tables (leaves ``[M, *leaf]``), read into buffers of their own.
-
-    Read as a plain slice, XLA:CPU fuses the read into each consumer and, where a consumer is not an ancestor of the
-    table's in-place write (:func:`replace_row`), copies the whole table on every update to order the two: O(M·d)
-    where the update is O(d). A conditional's result is a buffer, read once. On a CPU only: an accelerator's
-    conditional would ask the host for its predicate on every update.
-    """
-    take = lambda: jax.tree.map(lambda t: t[worker], tables)
-    if jax.default_backend() != "cpu":
-        return take()
-    empty = lambda: jax.tree.map(lambda t: jnp.zeros(t.shape[1:], t.dtype), tables)
-    return jax.lax.cond(worker >= 0, take, empty)  # (always true; XLA cannot tell)
-
-
-def replace_row(tables: Any, worker: jax.Array, new: Any, old: Any) -> Any:
-    """``tables`` with row ``worker`` replaced by ``new`` in place, written after ``old`` (:func:`row`) was read: the
-    write depends on it (a select that always takes ``new``), so XLA orders every read before the write and copies
-    nothing."""
-    put = lambda t, n, o: t.at[worker].set(jnp.where(worker >= 0, n, o).astype(t.dtype))
-    return jax.tree.map(put, tables, new, old)

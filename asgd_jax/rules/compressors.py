@@ -35,9 +35,9 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from asgd_jax import errors
+from asgd_jax import errors, server
 from asgd_jax.recipes import recipe
-from asgd_jax.rules.common import PullRule
+from asgd_jax.rules.combinators import chained_before
 
 __all__ = ["CompressorState", "compressed", "qsgd", "rand_k", "top_k"]
 
@@ -153,13 +153,11 @@ def top_k(k: int, *, num_workers: int | None = None) -> optax.GradientTransforma
         if worker is None:
             raise errors.ConfigError("top_k(num_workers=...) keeps each worker's error feedback: pass worker=.")
         w = jnp.asarray(worker, jnp.int32)
-        corrected = jax.tree.map(lambda g, e: jnp.asarray(g, jnp.float32) + e[w], updates, state.error)
-        flat, unravel = _flat(corrected)
+        old = server.row(state.error, w)
+        flat, as_error = _flat(jax.tree.map(lambda g, e: jnp.asarray(g, jnp.float32) + e, updates, old))
         sent = _largest(flat, k)
-        left = unravel(flat - sent)
-        error = jax.tree.map(lambda e, r: e.at[w].set(r), state.error, left)
-        dtypes = jax.tree.map(lambda x: jnp.asarray(x).dtype, updates)
-        return jax.tree.map(lambda x, t: x.astype(t), unravel(sent), dtypes), CompressorState(state.key, error)
+        error = server.replace_row(state.error, w, as_error(flat - sent), old)
+        return _flat(updates)[1](sent), CompressorState(state.key, error)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -213,10 +211,4 @@ def compressed(rule: Any, compressor: Any) -> Any:
       >>> rule.update(jnp.array([1.0, -2.0]), rule.init(w), w)[0]
       Array([-0.,  1.], dtype=float32)
     """
-    as_extra = lambda t: (
-        t if isinstance(t, optax.GradientTransformationExtraArgs) else optax.GradientTransformationExtraArgs(*t[:2])
-    )
-    chained = optax.chain(as_extra(compressor), as_extra(rule))
-    if not callable(getattr(rule, "pull", None)):
-        return chained
-    return PullRule(chained.init, chained.update, lambda params, state, worker: rule.pull(params, state[1], worker))
+    return chained_before(compressor, rule)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from asgd_jax import server
 from asgd_jax.recipes import recipe
 from asgd_jax.rules import common
 from asgd_jax.rules.common import ScalarOrSchedule
@@ -64,9 +65,9 @@ def scale_by_incremental_aggregation(num_workers: int) -> optax.GradientTransfor
     def update(updates, state, params=None, *, worker, **extra):
         del params, extra
         w = jnp.asarray(worker, jnp.int32)
-        old = common.row(state.table, w)
+        old = server.row(state.table, w)
         mean = jax.tree.map(lambda m, g, o: m + (g - o) / num_workers, state.mean, updates, old)
-        table = common.replace_row(state.table, w, updates, old)
+        table = server.replace_row(state.table, w, updates, old)
         seen = state.seen.at[w].set(True)
         ready = jnp.all(seen)
         step = jax.tree.map(lambda m: jnp.where(ready, m, jnp.zeros_like(m)), mean)

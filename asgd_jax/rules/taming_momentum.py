@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from asgd_jax import server
 from asgd_jax.recipes import recipe
 from asgd_jax.rules import common
 from asgd_jax.rules.common import PullRule, ScalarOrSchedule
@@ -82,9 +83,9 @@ def dana(
             updates = jax.tree.map(
                 lambda g, w, wb: (g + lam * g * g * (w - wb)).astype(g.dtype), updates, params, stale_params
             )
-        old = common.row(state.velocity, worker)  # (read once: S's update reads it too, not only the write)
+        old = server.row(state.velocity, worker)  # (read once: S's update reads it too, not only the write)
         new = jax.tree.map(lambda v, g: momentum * v + g, old, updates)
-        velocity = common.replace_row(state.velocity, worker, new, old)
+        velocity = server.replace_row(state.velocity, worker, new, old)
         velocity_sum = jax.tree.map(lambda s, n, o: s + n - o, state.velocity_sum, new, old)
         rate = common.rate(learning_rate, state.count)
         steps = jax.tree.map(lambda v, g: (-rate * v).astype(g.dtype), new, updates)

@@ -167,29 +167,13 @@ def sync_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, v
     return schedule, state.delay, DataState(state.data.taken + done * n_sync)
 
 
-def snapshot(srv: server.ServerState, slot: jax.Array) -> tuple[Any, Any]:
-    """The pushing worker's snapshot (:func:`asgd_jax.server.snapshot`), read into buffers of its own.
-
-    Read as a plain slice, XLA:CPU fuses the read into every elementwise consumer (an elementwise loss's gradient, the
-    loss itself) and, to order those reads before the pull writes the stack in place, copies the whole ``[M, ...]``
-    stack on every update: O(M·d) where the update is O(d) (Workers(1000), d = 1,729: 392 against 72 us an
-    update; ``tests/test_simulator_hlo.py`` pins it). A conditional's result is a buffer of its own, read from the
-    stack once, before anything consumes it. On a CPU only: an accelerator's conditional would ask the host for its
-    predicate on every update.
-    """
-    if jax.default_backend() != "cpu":
-        return server.snapshot(srv, slot)
-    empty = lambda: jax.tree.map(lambda b: jnp.zeros(b.shape[1:], b.dtype), (srv.backup_params, srv.backup_model_state))
-    return jax.lax.cond(slot >= 0, lambda: server.snapshot(srv, slot), empty)  # (always true; XLA cannot tell)
-
-
 def _async_update(c: Ctx, srv: server.ServerState, x: _Schedule):
     """The scheduled push: that worker's payload at its snapshot, applied; then its pull."""
     ex, live = c.ex, live_slot(c.rule, c.delays, c.ex)
     if live:
         params0, model_state0 = srv.params, srv.model_state
     else:
-        params0, model_state0 = snapshot(srv, x.push_slot)
+        params0, model_state0 = server.snapshot(srv, x.push_slot)
     # The worker's model randomness (dropout, augmentation) is keyed by what it knows when it computes: the version
     # it pulled and its id. The trainer's workers do the same, so a replayed trace draws the same masks.
     pulled = server.snapshot_version(srv, x.push_slot)

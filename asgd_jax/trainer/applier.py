@@ -176,8 +176,13 @@ class Applier:
         return (
             (store.num_updates is None or after < store.num_updates)
             and not store.checkpoints.due(after)
-            and not (store.snapshot_every and after % store.snapshot_every == 0)
+            and not self._snapshot_due(after)
         )
+
+    def _snapshot_due(self, applied: int) -> bool:
+        """Whether the weights after update ``applied`` are snapshotted for the evaluator."""
+        every = self.store.snapshot_every
+        return every is not None and every > 0 and applied % every == 0
 
     def _dispatch(self, worker, payload, model_state, round_info, packed, future: Future) -> float:
         """Pipelined: dispatches the push's exchange (or, :class:`~asgd_jax.trainer.messages.Computed`, the worker's
@@ -236,7 +241,7 @@ class Applier:
             store.end_of_budget()
         if store.checkpoints.due(applied) and not store.diverged:
             store.checkpoints.submit(store.checkpoint_contents())
-        if store.snapshot_every and applied % store.snapshot_every == 0:
+        if self._snapshot_due(applied):
             # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
             weights = store.server.weights() if store.server.sends else answer
             self.snapshots.append(Snapshot(applied, *store.server.unpack(weights)))
