@@ -76,11 +76,13 @@ class Exchange:
 
     @classmethod
     def create(cls, plan: Any, data: Any, *, stateful: bool = False) -> Exchange:
-        """The plan's exchange fitted to the data (a batch must fit in a worker's shard), before anything is traced."""
+        """The plan's exchange fitted to the data (a batch must fit in a worker's shard, or under a fixed partition in
+        every worker's own examples: :meth:`asgd_jax.partition.Partition.assign` checks those), before anything is
+        traced."""
         num_examples = _num_examples(data)
         num_shards = plan.delays.num_shards
         shard_size = num_examples // num_shards
-        if plan.batch_size > shard_size:
+        if plan.batch_size > shard_size and plan.partition.iid:
             raise errors.ConfigError(
                 f"batch_size={plan.batch_size} is larger than a shard: {num_examples} examples over {num_shards} "
                 f"shards leaves {shard_size} per shard. Lower batch_size or the number of workers."

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from asgd_jax import errors
 
-__all__ = ["example_index", "key_words", "shard_indices"]
+__all__ = ["example_index", "key_words", "member_position", "shard_indices"]
 
 _ROUNDS = 4
 
@@ -102,3 +102,37 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
     shard_size = num_examples // num_shards
     positions = jnp.arange(num_shards * shard_size, dtype=jnp.int32)
     return example_index(key_words(key), epoch, positions, num_examples).reshape(num_shards, shard_size)
+
+
+def member_position(words: jax.Array, epoch: jax.Array, positions: jax.Array, worker: jax.Array, sizes: jax.Array):
+    """Where each of ``positions`` of a worker's epoch falls in that worker's own list of examples: a keyed
+    permutation of ``[0, sizes[worker])`` per (worker, epoch), for a fixed partition (:mod:`asgd_jax.partition`),
+    whose workers hold lists of different lengths.
+
+    The same 4-round Feistel network with cycle walking as :func:`example_index`, its half-width and its bound traced
+    per row (a worker's list length is a number of the run, not of its program).
+
+    Args:
+      words: :func:`key_words` of the run's data key.
+      epoch, worker: int32 arrays of shape ``positions.shape[:-1]`` (a row's epoch and worker).
+      positions: int32 ``[..., batch]`` positions in ``[0, sizes[worker])``.
+      sizes: int32 ``[M]``, every worker's list length (each >= 1).
+    """
+    ones = (1,) * jnp.ndim(epoch)
+    n = sizes[worker].astype(jnp.uint32)[..., None]  # [..., 1]
+    bits = 32 - jax.lax.clz(jnp.maximum(n, jnp.uint32(2)) - jnp.uint32(1))  # bit length of n - 1 (at least 1)
+    half = (bits + jnp.uint32(1)) // jnp.uint32(2)
+    mask = (jnp.uint32(1) << half) - jnp.uint32(1)
+    e, w = jnp.asarray(epoch).astype(jnp.uint32), jnp.asarray(worker).astype(jnp.uint32)
+    salt = (e * jnp.uint32(0x9E3779B9) ^ w * jnp.uint32(0x85EBCA6B))[..., None]  # [..., 1]
+    keys = _mix(words.reshape((*ones, _ROUNDS)), salt + jnp.arange(_ROUNDS, dtype=jnp.uint32).reshape((*ones, -1)))
+
+    def feistel(x):
+        left, right = x >> half, x & mask
+        for r in range(_ROUNDS):
+            left, right = right, left ^ (_mix(right, keys[..., r, None]) & mask)
+        return (left << half) | right
+
+    y = feistel(jnp.asarray(positions).astype(jnp.uint32))
+    y = jax.lax.while_loop(lambda y: jnp.any(y >= n), lambda y: jnp.where(y >= n, feistel(y), y), y)
+    return y.astype(jnp.int32)

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 from asgd_jax import delays as delays_lib
 from asgd_jax import errors
+from asgd_jax.partition import Partition
 
 __all__ = ["DEFAULT_CHUNK", "MODES", "PUSHES", "Plan", "PlanStructure"]
 
@@ -53,6 +54,7 @@ class PlanStructure(NamedTuple):
     push: str
     batch_size: int
     chunk: int
+    fixed_partition: bool = False  # a non-IID partition: its assignment is an argument of the programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,9 @@ class Plan:
       time_budget: a virtual-time budget (simulator): the run ends at the first evaluation (the first chunk end,
         without an ``eval_fn``) where every run's clock has reached it, before ``num_updates`` if it comes first; its
         metrics hold the updates done. A number, not structure.
+      partition: how the data is split among the workers (:class:`asgd_jax.partition.Partition`, or its text form:
+        ``"iid"``, the default; ``"dirichlet:0.1"``, ``"labels:2"``, ``"unequal:0.5"``); a non-IID partition is drawn
+        once from the labels ``data["y"]`` and its own seed, the same for the simulator and the trainer.
 
     Example:
       >>> import asgd_jax
@@ -102,6 +107,7 @@ class Plan:
     checkpoint_every: int | None = None
     chunk: int | None = None
     time_budget: float | None = None
+    partition: Any = None
 
     def __post_init__(self):
         model = delays_lib.Workers(8) if self.delays is None else self.delays
@@ -132,6 +138,13 @@ class Plan:
         if self.local_lr is not None:
             object.__setattr__(
                 self, "local_lr", errors.finite_number("local_lr", self.local_lr, positive=True, flag="--local-lr")
+            )
+        object.__setattr__(self, "partition", Partition.parse(self.partition))
+        if not self.partition.iid and model.num_shards == 1:
+            raise errors.ConfigError(
+                f"partition={str(self.partition)!r} (--partition) splits the data among workers, but "
+                f"{model!r} reads one data stream: use delays=asgd_jax.delays.Workers(M) (or a cluster "
+                "of M workers), or the 'iid' partition."
             )
         self._check_exchange()
         if self.chunk is not None and self.eval_every is not None and self.eval_every % self.chunk:
@@ -211,9 +224,11 @@ class Plan:
     def structure(self) -> PlanStructure:
         """What of this plan shapes a compiled program (see :class:`PlanStructure`)."""
         structure, _ = delays_lib.split(self.delays)
-        return PlanStructure(structure, self.mode, self.n_sync, self.push, self.batch_size, self.chunk_length)
+        return PlanStructure(
+            structure, self.mode, self.n_sync, self.push, self.batch_size, self.chunk_length, not self.partition.iid
+        )
 
     def describe(self) -> dict[str, Any]:
         """The plan as plain values (for a checkpoint header, ``summary.json``, a study's results)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "delays"}
-        return {"delays": repr(self.delays), "workers": self.workers, **out}
+        return {"delays": repr(self.delays), "workers": self.workers, **out, "partition": str(self.partition)}

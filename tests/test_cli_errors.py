@@ -151,6 +151,7 @@ def test_a_path_that_is_not_a_study_file_is_named_with_what_a_study_file_is(
         ("workers = 2.5", "workers = 2.5 is invalid: give an int"),
         ("lr = true", "lr = True is invalid: give a number"),
         ('rule = "nope"', "rule = 'nope' is invalid: give one of"),
+        ("partition = 0.1", "partition = 0.1 is invalid: give a string"),
         ('resume = "yes"', "resume = 'yes' is invalid: give true, false or 'auto'"),
         ("slowdown = [1, 2]", None),  # a list is what --slowdown takes: parsed, then refused as W:F
     ],

@@ -82,6 +82,19 @@ def _add_method_flags(a) -> None:
     a("--stops", action="store_true", help="with --ringmaster: stop a computation R stale; --rennala: at round ends")
 
 
+def _add_partition_flag(a, default) -> None:
+    from asgd_jax.partition import KINDS
+
+    a(
+        "--partition",
+        type=_partition,
+        default=default,
+        metavar="KIND[:VALUE[:SEED]]",
+        help=f"how the data is split among the workers, one of {', '.join(KINDS)} (dirichlet:0.1, labels:2, "
+        "unequal:0.5; a partition other than iid is drawn once from its seed and the labels)",
+    )
+
+
 def add_train(sub) -> None:
     from asgd_jax import models, rules, setups
     from asgd_jax.plan import MODES, PUSHES
@@ -133,6 +146,7 @@ def add_train(sub) -> None:
     a("--n-sync", type=int, default=dp.n_sync, help="minibatches between exchanges (GPU A-SGD)")
     a("--push", default=dp.push, choices=PUSHES, help="what --n-sync > 1 pushes")
     a("--local-lr", type=float, default=dp.local_lr, help="local step size when --n-sync > 1 [none]")
+    _add_partition_flag(a, dp.partition)
     a("--devices-per-worker", type=int, default=d.devices_per_worker, help="devices per worker (batch split)")
     a("--out", default="runs/train", help="the run's folder")
     a("--checkpoint-every", type=int, default=dp.checkpoint_every, help="updates between checkpoints [a tenth]")
@@ -187,7 +201,27 @@ def _parse_slowdown(values: Sequence[str] | None) -> dict[int, float]:
 
 # The Plan fields that are flags of `train` under their own names (its delays are --workers M; chunk is the
 # simulator's alone).
-PLAN_FLAGS = ("num_updates", "batch_size", "mode", "n_sync", "push", "local_lr", "eval_every", "checkpoint_every")
+PLAN_FLAGS = (
+    "num_updates",
+    "batch_size",
+    "mode",
+    "n_sync",
+    "push",
+    "local_lr",
+    "partition",
+    "eval_every",
+    "checkpoint_every",
+)
+
+
+def _partition(text: str):
+    """``--partition``'s value (argparse reports a bad one with the library's own message)."""
+    from asgd_jax.partition import Partition
+
+    try:
+        return Partition.parse(text)
+    except errors.ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def train_config(args: argparse.Namespace):

@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asgd_jax import delays as delays_lib
-from asgd_jax import errors, exchange, recipes
+from asgd_jax import errors, exchange, partition, recipes
 from asgd_jax.plan import Plan
 from asgd_jax.simulator.cache import prepare as _prepare
 from asgd_jax.simulator.checks import check_devices as _check_devices
@@ -115,7 +115,7 @@ def simulate(
         eval_data=_eval_data(eval_fn),
         keys=key,
         hparams={},
-        numbers=_numbers(plan, rule_numbers, delay_numbers),
+        numbers=_numbers(plan, rule_numbers, delay_numbers, data),
         batched=False,
         **options,
         callback=callback,
@@ -156,7 +156,7 @@ def lower(
     source, rule_numbers = _recipe_source(rule, delays_source, ())
     programs, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, None, source, None, plan.delays)
     model_state = {} if model_state is None else model_state
-    numbers = _numbers(plan, rule_numbers, delay_numbers)
+    numbers = _numbers(plan, rule_numbers, delay_numbers, data)
     state = jax.eval_shape(programs.run.jitted["start"], params, model_state, key, {}, numbers)
     return programs.run.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), key, {}, numbers)
 
@@ -288,7 +288,7 @@ def prepare_sweep(
         eval_data=_eval_data(eval_fn),
         keys=keys,
         hparams=hparams,
-        numbers=_numbers(plan, rule_numbers, delay_numbers),
+        numbers=_numbers(plan, rule_numbers, delay_numbers, data),
         batched=True,
         **options,
         callback=callback,
@@ -328,9 +328,11 @@ def _eval_data(eval_fn) -> Any:
     return None if eval_fn is None else jax.tree.map(jnp.asarray, exchange.eval_parts(eval_fn)[1])
 
 
-def _numbers(plan: Plan, rule_numbers: Any, delay_numbers: Any) -> dict[str, Any]:
+def _numbers(plan: Plan, rule_numbers: Any, delay_numbers: Any, data: Any) -> dict[str, Any]:
     local_lr = 0.0 if plan.local_lr is None else plan.local_lr
-    return {"rule": rule_numbers, "delays": delay_numbers, "local_lr": np.float32(local_lr)}
+    numbers = {"rule": rule_numbers, "delays": delay_numbers, "local_lr": np.float32(local_lr)}
+    drawn = partition.assignment(plan.partition, data, plan.delays.num_shards, plan.batch_size)
+    return numbers if drawn is None else {**numbers, "partition": drawn}
 
 
 def _recipe_source(rule: Any, delays_source: tuple[Callable, Hashable], hp_names: Sequence[str]) -> tuple:

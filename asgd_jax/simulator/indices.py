@@ -1,4 +1,4 @@
-"""The data order a run reads: per-shard minibatches, re-partitioned every epoch.
+"""The data order a run reads: per-shard minibatches, re-partitioned every epoch (or a fixed partition's).
 
 Worker (shard) s draws minibatches from its own shard. A shard's j-th batch belongs to its epoch ``j // K``; in epoch e
 the shards are consecutive slices of one keyed random permutation of the data (:mod:`asgd_jax.order`).
@@ -8,11 +8,12 @@ chunk's schedule reads.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from asgd_jax import exchange, order
-from asgd_jax.exchange import Exchange
+from asgd_jax import exchange, order, partition
 
 
 def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num_shards: int) -> jax.Array:
@@ -30,11 +31,16 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
     return order.shard_indices(exchange.split_key(key)[0], epoch, num_examples=num_examples, num_shards=num_shards)
 
 
-def batch_indices(data_words: jax.Array, ex: Exchange, shard: jax.Array, taken: jax.Array) -> jax.Array:
-    """Example indices of shard ``shard``'s ``taken``-th minibatch, ``[..., batch]`` for int arrays ``shard`` and
-    ``taken`` of one shape (each minibatch in its own epoch)."""
+def batch_indices(c: Any, shard: jax.Array, taken: jax.Array) -> jax.Array:
+    """Example indices of shard ``shard``'s ``taken``-th minibatch in the run of chunk context ``c``
+    (:class:`asgd_jax.simulator.updates.Ctx`), ``[..., batch]`` for int arrays ``shard`` and ``taken`` of one shape
+    (each minibatch in its own epoch): IID, the epoch's shard; under a fixed partition, the worker's own examples
+    (:func:`asgd_jax.partition.batch_indices`)."""
+    ex = c.ex
+    if c.partition is not None:
+        return partition.batch_indices(c.data_words, c.partition, ex.batch_size, shard, taken)
     per_epoch = ex.shard_size // ex.batch_size
     epoch, k = taken // per_epoch, taken % per_epoch
     start = shard * ex.shard_size + k * ex.batch_size
     positions = start[..., None] + jnp.arange(ex.batch_size, dtype=jnp.int32).reshape((1,) * start.ndim + (-1,))
-    return order.example_index(data_words, epoch, positions, ex.num_examples)
+    return order.example_index(c.data_words, epoch, positions, ex.num_examples)

@@ -158,7 +158,17 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
         del k  # the run's keys were split once, at its start: they are in the state
         rule, delays = source.rule(h, numbers), source.delays(h, numbers)
         delay_key, model_key = (jax.random.wrap_key_data(w) for w in (state.keys.delay, state.keys.model))
-        c = _Ctx(grad_fn, rule, delays, ex, data, state.keys.data_words, numbers["local_lr"], model_key)
+        c = _Ctx(
+            grad_fn,
+            rule,
+            delays,
+            ex,
+            data,
+            state.keys.data_words,
+            numbers["local_lr"],
+            model_key,
+            numbers.get("partition"),
+        )
         # Every update's delay key in one vectorised PRNG call per chunk (on CPU each call inside the loop is a
         # rolled loop of its own); identical to folding t in step by step.
         ts = state.server.version + jnp.arange(length, dtype=jnp.int32)

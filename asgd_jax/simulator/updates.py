@@ -46,6 +46,7 @@ class Ctx:
     data_words: jax.Array
     local_lr: jax.Array
     model_key: jax.Array
+    partition: Any = None  # a fixed partition's asgd_jax.partition.Assignment; None: IID shards
 
 
 class _Schedule(NamedTuple):
@@ -99,7 +100,7 @@ def async_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, 
         pull_slot=events.pull_slot,
         worker=events.push_slot if events.worker is None else events.worker,
         time=events.time.astype(jnp.float32),
-        indices=_batch_indices(c.data_words, c.ex, jnp.broadcast_to(events.shard[:, None], counters.shape), counters),
+        indices=_batch_indices(c, jnp.broadcast_to(events.shard[:, None], counters.shape), counters),
         round_key=None,
         busy=events.busy,
         wasted=events.wasted,
@@ -133,7 +134,7 @@ def round_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, 
         pull_slot=zeros,
         worker=zeros - 1,
         time=rounds.time.astype(jnp.float32),
-        indices=_batch_indices(c.data_words, c.ex, shards, counters),
+        indices=_batch_indices(c, shards, counters),
         round_key=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(c.model_key, ts),
         busy=rounds.busy,
         wasted=rounds.wasted,
@@ -159,7 +160,7 @@ def sync_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, v
     shards = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32)[None, :, None], counters.shape)
     zeros = jnp.zeros((length,), jnp.int32)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(c.model_key, ts)
-    indices = _batch_indices(c.data_words, c.ex, shards, counters)
+    indices = _batch_indices(c, shards, counters)
     schedule = _Schedule(
         push_slot=zeros, pull_slot=zeros, worker=zeros - 1, time=times, indices=indices, round_key=keys
     )

@@ -2,8 +2,9 @@
 
 A :class:`ShardLoader` is what a trainer's worker reads when the data does not live on the device: it walks the same
 layout as the simulator (:func:`asgd_jax.order.shard_indices` under the run's data key), so worker w's k-th batch
-here is the simulator's worker w's k-th batch, which is what makes a recorded run replayable. Batches have a fixed
-shape (the remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` batches ready.
+here is the simulator's worker w's k-th batch, which is what makes a recorded run replayable; under a fixed partition
+(:mod:`asgd_jax.partition`) it walks the worker's own examples as the simulator does. Batches have a fixed shape (the
+remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` batches ready.
 
 Example:
   >>> import numpy as np, jax, asgd_jax
@@ -17,15 +18,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from asgd_jax import errors, exchange, order
+from asgd_jax import errors, exchange, order, partition
 
 __all__ = ["ShardLoader"]
 
@@ -43,6 +46,8 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
       transform: optional ``transform(batch) -> batch`` applied on the host thread (decoding, normalisation).
       start_batch: how many of this worker's batches to skip (resume).
       prefetch: batches kept ready.
+      assignment: a fixed partition's :class:`asgd_jax.partition.Assignment` (the run's, every worker the same);
+        None: IID shards re-dealt every epoch.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
         start_batch: int = 0,
         prefetch: int = 2,
+        assignment: partition.Assignment | None = None,
     ):
         self._arrays = isinstance(source, Mapping)
         n = len(next(iter(source.values()))) if self._arrays else len(source)
@@ -68,7 +74,7 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         for name, value, lowest in checks:
             errors.int_at_least(name, value, lowest)
         errors.require(0 <= worker < num_workers, "worker", worker, f"use an int in [0, {num_workers})")
-        shard_size = n // num_workers
+        shard_size = n // num_workers if assignment is None else int(assignment.sizes[worker])
         if batch_size > shard_size:
             raise errors.ConfigError(
                 f"batch_size={batch_size} is larger than a shard: {n} examples over {num_workers} workers leaves "
@@ -77,7 +83,7 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         self.source: Any = source  # (a dict of arrays, or a random-access source)
         self.worker, self.num_workers, self.batch_size = worker, num_workers, batch_size
         self.num_examples, self.per_epoch = n, shard_size // batch_size
-        self.key, self.transform = key, transform
+        self.key, self.transform, self.assignment = key, transform, assignment
         self.taken = start_batch  # batches handed out so far
         self._cache: tuple[int, np.ndarray] = (-1, np.empty(0, np.int32))
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -93,8 +99,13 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
             cpu = jax.devices("cpu")[0]
             key, epoch_arr = jax.device_put((self.key, np.int32(epoch)), cpu)  # explicit host -> CPU-device copy
             data_key = exchange.split_key(key)[0]
-            shards = order.shard_indices(data_key, epoch_arr, self.num_examples, self.num_workers)
-            shard = jax.device_get(shards)[self.worker]  # explicit device -> host copy, then index on the host
+            if self.assignment is None:  # IID: the epoch's re-dealt shards, this worker's row
+                shards = order.shard_indices(data_key, epoch_arr, self.num_examples, self.num_workers)
+                shard = jax.device_get(shards)[self.worker]  # explicit device -> host copy, then index on the host
+            else:  # a fixed partition: the epoch's minibatches of this worker's own examples, in the simulator's order
+                args = jax.device_put((self.assignment, np.int32(self.worker)), cpu)
+                rows = _partition_epoch(data_key, *args, epoch_arr, self.batch_size, self.per_epoch)
+                shard = jax.device_get(rows).reshape(-1)
             self._cache = (epoch, shard)
         return shard[k * self.batch_size : (k + 1) * self.batch_size]
 
@@ -147,3 +158,12 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "per_epoch"))
+def _partition_epoch(data_key, assignment, worker, epoch, batch_size: int, per_epoch: int):
+    """A worker's minibatches of epoch ``epoch`` under a fixed partition, ``[per_epoch, batch]``: the simulator's
+    (:func:`asgd_jax.partition.batch_indices`)."""
+    taken = epoch * per_epoch + jnp.arange(per_epoch, dtype=jnp.int32)
+    workers = jnp.full((per_epoch,), worker, jnp.int32)
+    return partition.batch_indices(order.key_words(data_key), assignment, batch_size, workers, taken)

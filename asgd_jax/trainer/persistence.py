@@ -19,9 +19,9 @@ from asgd_jax.trainer.session import CHECKPOINT
 
 __all__ = ["ADDED_LATER", "Checkpoints", "check_header", "check_resume", "trace_pin"]
 
-ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps"})
-"""Header keys that checkpoints written before 2026-12-03 do not hold: a resume of such a checkpoint does not check
-them (everything it does hold is checked)."""
+ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps", "partition"})
+"""Header keys that older checkpoints do not hold (``partition``: before data partitions; the others: before
+2026-12-03): a resume of such a checkpoint does not check them (everything it does hold is checked)."""
 
 
 def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:

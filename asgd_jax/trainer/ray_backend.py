@@ -189,6 +189,7 @@ def run(
     eval_device,
     header: dict[str, Any],
     on_metrics: Callable[[dict], Any] | None = None,
+    assignment: Any = None,
 ) -> session.TrainResult:
     """One session of the Ray backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     ray = require_ray()
@@ -199,7 +200,7 @@ def run(
     metrics, evaluator = driver.logs(config, eval_fn, eval_device or jax.devices("cpu")[0], on_metrics)
     if evaluator is not None:
         evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
-    backend = _Ray(ray, config)
+    backend = _Ray(ray, config, assignment)
     status = backend.start(loss, rule, params, data, ex, model_state, header, evaluator is not None)
     if config.out is not None:
         os.makedirs(config.out, exist_ok=True)
@@ -210,8 +211,9 @@ def run(
 class _Ray:
     """The driver's :class:`asgd_jax.trainer.driver.Backend` over a store actor and M worker actors."""
 
-    def __init__(self, ray, config: TrainConfig):
+    def __init__(self, ray, config: TrainConfig, assignment: Any = None):
         self.ray, self.c, self.m = ray, config, config.plan.workers
+        self.assignment = assignment  # the run's fixed partition (None: IID shards)
         self.run_id = os.urandom(4).hex()
         self.workers: dict[int, Any] = {}
         self.running: dict[Any, int] = {}
@@ -245,7 +247,7 @@ class _Ray:
         stateful = model_state is not None
         layouts = packing.layouts(params, model_state)
         for w in range(self.m):
-            setup = WorkerSetup.of_run(c, w, ex, stateful, layouts, in_process=False)
+            setup = WorkerSetup.of_run(c, w, ex, stateful, layouts, in_process=False, assignment=self.assignment)
             self.workers[w] = actor.options(
                 name=f"asgd-jax/{self.run_id}/worker-{w}", max_restarts=c.max_restarts, max_task_retries=0, **resources
             ).remote(*self.keep(setup, self.store, loss), data_ref, c.devices_per_worker)

@@ -47,6 +47,7 @@ def run(
     eval_device: jax.Device | None,
     header: dict[str, Any],
     on_metrics: Callable[[dict], Any] | None = None,
+    assignment: Any = None,
 ) -> session.TrainResult:
     """One session of the threaded backend (the arguments are validated by :func:`asgd_jax.trainer.train`)."""
     m = config.plan.workers
@@ -60,7 +61,10 @@ def run(
     status = the_store.status()
     metrics.open(config.out, status)
     layouts = packing.layouts(params, model_state)
-    setups = [WorkerSetup.of_run(config, w, ex, model_state is not None, layouts, in_process=True) for w in range(m)]
+    setups = [
+        WorkerSetup.of_run(config, w, ex, model_state is not None, layouts, in_process=True, assignment=assignment)
+        for w in range(m)
+    ]
     # A worker on the store's own device: the store computes its pushes (its period and the exchange, one program).
     on_store = lambda w: the_store.pipelined and groups[w % len(groups)] == [the_store.device]
     workers = [

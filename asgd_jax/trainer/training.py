@@ -25,13 +25,13 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 
-from asgd_jax import checkpoint, delays, errors, exchange, interrupts, recipes, rules
+from asgd_jax import checkpoint, delays, errors, exchange, interrupts, partition, recipes, rules
 from asgd_jax import loss as loss_lib
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import session
@@ -91,6 +91,7 @@ def train(
     if plan.eval_every is not None and eval_fn is None:
         raise errors.ConfigError("eval_every was given without eval_fn: pass eval_fn(params, model_state) -> dict.")
     ex = exchange.validate(loss, data, params, model_state, plan)
+    assignment = partition.assignment(plan.partition, data, plan.workers, plan.batch_size)  # the simulator's draw
     devices = list(devices or jax.devices())
     if config.backend == "threads":
         device_groups(devices, config.devices_per_worker)  # fails now, not after the warm start
@@ -101,22 +102,32 @@ def train(
         require_ray()  # fails at once, with the install command
     lock = contextlib.nullcontext() if config.out is None else session.RunLock(config.out)  # one run per folder
     with interrupts.watch(), lock:
-        return _start(loss, rule, params, data, config, ex, model_state, eval_fn, devices, eval_device, on_metrics)
+        run = _Run(ex, assignment, devices, eval_device, on_metrics)
+        return _start(loss, rule, params, data, config, model_state, eval_fn, run)
 
 
-def _start(
-    loss, rule, params, data, config: TrainConfig, ex, model_state, eval_fn, devices, eval_device, on_metrics
-) -> TrainResult:
+class _Run(NamedTuple):
+    """What :func:`train` decided before the run's folder was its own: the exchange, the partition's assignment, the
+    devices and the metrics' listener."""
+
+    ex: exchange.Exchange
+    assignment: Any
+    devices: list
+    eval_device: Any
+    on_metrics: Any
+
+
+def _start(loss, rule, params, data, config: TrainConfig, model_state, eval_fn, run: _Run) -> TrainResult:
     """The run, once its folder is this process's: the resume decision and checks, the warm start, the backend."""
     plan = config.plan
     config = config.replace(resume=_resume_decision(config))
     # Everything that changes the weights: a resume with any of it different is refused (the trace would not replay).
     header = {
         "num_workers": plan.workers,
-        "mode": ex.mode,
-        "n_sync": ex.n_sync,
-        "batch_size": ex.batch_size,
-        "push": ex.push,
+        "mode": run.ex.mode,
+        "n_sync": run.ex.n_sync,
+        "batch_size": run.ex.batch_size,
+        "push": run.ex.push,
         "key": exchange.key_fingerprint(config.key()),
         "local_lr": plan.local_lr,
         "devices_per_worker": config.devices_per_worker,
@@ -128,16 +139,23 @@ def _start(
         "recipe": recipes.describe(rule),
         "loss": recipes.describe(loss.fn),
         "warm_start_steps": config.warm_start_steps,
+        "partition": str(plan.partition),
     }
     header.update(config.discipline.header())  # (keys only such runs have: older checkpoints still resume)
     if config.resume and config.out is not None and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
         check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
-    params, model_state = _warm_start(loss, rule, params, data, config, model_state, devices)
+    params, model_state = _warm_start(loss, rule, params, data, config, model_state, run.devices)
     if config.out is not None:
         _record_plan(config.out, plan)
     main = config.replace(plan=plan.replace(num_updates=plan.num_updates - config.warm_start_steps), warm_start_steps=0)
     kwargs = dict(
-        ex=ex, model_state=model_state, eval_fn=eval_fn, eval_device=eval_device, header=header, on_metrics=on_metrics
+        ex=run.ex,
+        model_state=model_state,
+        eval_fn=eval_fn,
+        eval_device=run.eval_device,
+        header=header,
+        on_metrics=run.on_metrics,
+        assignment=run.assignment,
     )
     if config.backend == "ray":
         from asgd_jax.trainer import ray_backend
@@ -145,7 +163,7 @@ def _start(
         return ray_backend.run(loss, rule, params, data, main, **kwargs)
     from asgd_jax.trainer import threads
 
-    return threads.run(loss, rule, params, data, main, devices=devices, **kwargs)
+    return threads.run(loss, rule, params, data, main, devices=run.devices, **kwargs)
 
 
 def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devices) -> tuple[Any, Any]:
@@ -157,7 +175,8 @@ def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devi
     if config.resume and main_checkpoint is not None and os.path.exists(main_checkpoint):
         return params, model_state
     warm_config = config.replace(
-        plan=config.plan.replace(delays=1, num_updates=config.warm_start_steps, eval_every=None),
+        # (one worker on the whole data, as GPU A-SGD's warm start: a partition is the main run's)
+        plan=config.plan.replace(delays=1, num_updates=config.warm_start_steps, eval_every=None, partition=None),
         warm_start_steps=0,
         slowdown={},
         out=None if config.out is None else os.path.join(config.out, "warmup"),
@@ -187,7 +206,7 @@ def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
     record = checkpoint.read_json(os.path.join(out, PLAN))
     errors.require(isinstance(record, dict), "out", out, f"its {PLAN} is not a trainer's plan record")
     trace = delays.Trace.load(os.path.join(out, session.TRACE), num=record.get("workers"))
-    fields = {k: record[k] for k in ("batch_size", "mode", "n_sync", "push", "local_lr") if k in record}
+    fields = {k: record[k] for k in ("batch_size", "mode", "n_sync", "push", "local_lr", "partition") if k in record}
     return Plan(trace, num_updates=num_updates or len(trace), **fields)
 
 

@@ -104,6 +104,7 @@ class WorkerSetup:
       computed: the worker's device is a pipelined store's own (in this process): the store runs its period and the
         exchange as one program (:class:`~asgd_jax.trainer.messages.Computed`), where a period is one program (not
         XLA:CPU's local steps, each its own) and nothing waits on the period (no straggling, no stops).
+      assignment: the run's fixed partition (:class:`asgd_jax.partition.Assignment`), None for IID shards.
     """
 
     worker: int
@@ -117,6 +118,7 @@ class WorkerSetup:
     stop_stale: int | None = None
     direct: bool = False
     computed: bool = False
+    assignment: Any = None
 
     @property
     def key(self) -> jax.Array:
@@ -125,7 +127,15 @@ class WorkerSetup:
 
     @classmethod
     def of_run(
-        cls, config: TrainConfig, worker: int, ex: Exchange, stateful: bool, layouts, *, in_process: bool
+        cls,
+        config: TrainConfig,
+        worker: int,
+        ex: Exchange,
+        stateful: bool,
+        layouts,
+        *,
+        in_process: bool,
+        assignment: Any = None,
     ) -> WorkerSetup:
         """Worker ``worker``'s setup in a run of ``config`` (its straggling, its discipline's stops; ``in_process``:
         the store is in this process, so a store on a device takes asynchronous payloads device to device)."""
@@ -141,6 +151,7 @@ class WorkerSetup:
             c.slowdown.get(worker, 1.0),
             c.discipline.stop_stale,
             in_process and not c.discipline.rounds,  # (rounds average on the host)
+            assignment=assignment,
         )
 
 
@@ -253,6 +264,7 @@ class Worker:
             batch_size=s.exchange.batch_size,
             key=s.key,
             start_batch=position * s.exchange.n_sync,
+            assignment=s.assignment,
         )
         return weights, loader
 
