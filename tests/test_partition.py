@@ -232,3 +232,20 @@ def test_the_command_line_trains_on_a_partition_and_records_it(tmp_path, capsys)
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--partition", "labels:0", "--out", str(tmp_path / "bad")])
     assert exit_info.value.code == 2 and "labels per worker" in capsys.readouterr().err
+
+
+def test_a_study_arm_runs_on_its_plans_partition_every_seed_on_the_same_one():
+    from asgd_jax import studies
+
+    tiny = studies.Settings(dataset="digits", seeds=(0, 1), epochs=2.0, evals=2, window=10)
+    arms = lambda s, q: [
+        studies.Arm({"data": p}, Plan(4, partition=p), variants=(studies.Variant("ASGD", rule="asgd"),))
+        for p in ("iid", "labels:1", "dirichlet:0.1")
+    ]
+    study = studies.Study(name="t", title="t", reproduces="", quick=tiny, full=tiny, arms=arms)
+    first, second = (studies.run(study, settings=tiny, progress=False) for _ in range(2))
+    assert first.runs == second.runs  # bit for bit
+    error = {(r["data"], r["seed"]): r["test_error"] for r in first.runs}
+    assert error["iid", 0] != error["iid", 1] and error["dirichlet:0.1", 0] != error["dirichlet:0.1", 1]
+    # One class a worker: four workers see four of the ten classes, the model cannot learn the other six.
+    assert min(error["labels:1", s] for s in (0, 1)) > max(error["iid", s] for s in (0, 1)) + 0.4
