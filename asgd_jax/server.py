@@ -180,6 +180,7 @@ def push(
     model_state: Any = None,
     *,
     stale_params: Any = None,
+    worker: jax.Array | None = None,
 ) -> tuple[ServerState, jax.Array]:
     """Applies one pushed payload with the rule and advances the version.
 
@@ -192,6 +193,9 @@ def push(
       stale_params: the slot's snapshot, when the caller already holds it (the simulator read it to compute the
         gradient: passing it saves a second read of the backup, from memory the gradient has long left); read from
         the backup otherwise.
+      worker: the pushing worker's id, the rule's ``worker`` (default: ``slot``; a cluster that keeps a ring of
+        versions, :class:`asgd_jax.delays.Ringmaster`, or one copy, :class:`asgd_jax.delays.Malenia`, has slots that
+        are not its workers).
 
     Returns:
       ``(new_state, staleness)`` where staleness is the int32 number of updates since the slot's snapshot.
@@ -206,7 +210,7 @@ def push(
         state.params,
         stale_params=stale_params,
         staleness=staleness,
-        worker=slot,
+        worker=slot if worker is None else jnp.asarray(worker, jnp.int32),
     )
     params = optax.apply_updates(state.params, updates)
     new = state._replace(
@@ -228,12 +232,14 @@ def exchange(
     pull_slot: jax.Array | None = None,
     stale_params: Any = None,
     pull_weights: bool = True,
+    worker: jax.Array | None = None,
 ) -> tuple[ServerState, jax.Array]:
-    """One exchange, atomically: :func:`push` from ``slot``, then :func:`pull` into ``pull_slot`` (default: the same
-    slot, a worker that pulls right after it pushes). What the simulator's step and the trainer's store both do.
+    """One exchange, atomically: :func:`push` from ``slot`` (by ``worker``, default the slot's), then :func:`pull`
+    into ``pull_slot`` (default: the same slot, a worker that pulls right after it pushes). What the simulator's step
+    and the trainer's store both do.
 
     Returns:
       ``(new_state, staleness)``.
     """
-    state, staleness = push(rule, state, slot, grads, model_state, stale_params=stale_params)
+    state, staleness = push(rule, state, slot, grads, model_state, stale_params=stale_params, worker=worker)
     return pull(state, slot if pull_slot is None else pull_slot, weights=pull_weights, rule=rule), staleness

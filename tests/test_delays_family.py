@@ -62,6 +62,11 @@ MODELS = {
         delays.Rennala(delays.Workers(3, mean_compute_time=2.0), batch=2),
         lambda: delays.Rennala(delays.Workers(3), batch=0),
     ),
+    "malenia": Case(
+        delays.Malenia(delays.Workers(3)),
+        delays.Malenia(delays.Workers(3, mean_compute_time=2.0)),
+        lambda: delays.Malenia("three"),
+    ),
     "msync": Case(
         delays.MSync(delays.Workers(3), m=2),
         delays.MSync(delays.Workers(3, mean_compute_time=0.5), m=2),
@@ -74,7 +79,7 @@ def test_every_public_delay_model_has_a_case():
     public = (getattr(delays, name) for name in delays.__all__)
     models = {c for c in public if isinstance(c, type) and delays.is_delay_model(c)}
     assert models == {type(case.model) for case in MODELS.values()}
-    assert len(models) == 8
+    assert len(models) == 9
 
 
 @pytest.mark.parametrize("name", MODELS)

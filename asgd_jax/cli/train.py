@@ -282,6 +282,8 @@ def train_rule(args: argparse.Namespace, setup: Any, plan: Any, num_examples: in
     from asgd_jax import rules
 
     takes = rules.defaults(args.rule)
+    why = "Malenia SGD needs its cluster (every computation stopped when a round closes), the simulator's alone"
+    errors.require(args.rule != "malenia", "--rule", args.rule, f"{why}: use ringleader or ia2sgd on the trainer")
     hp = {"lam": args.lam, "momentum": args.momentum}
     errors.require(
         all(k in takes for k, v in hp.items() if v is not None),

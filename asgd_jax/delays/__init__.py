@@ -20,7 +20,8 @@ The models, a file per family (or per paper):
   (``clusters.py``: their shared :class:`ClusterState` and :func:`computation_time`):
   :class:`Ringmaster` (``ringmaster.py``: a gradient R or more updates stale is ignored; a ring of R versions),
   :class:`Rennala` (``rennala.py``: rounds of S gradients at the current weights) and :class:`MSync` (``msync.py``:
-  the first m of M gradients per round), the last two round models.
+  the first m of M gradients per round), the last two round models; and :class:`Malenia` (``malenia.py``: rounds
+  that close when every worker has reported, for the rule ``rules.malenia_sgd``).
 
 Static fields (the number of slots, the distribution's kind) shape the compiled program; numeric fields (mean compute
 time, speeds, straggler probability, ...) are pytree leaves, so they may be traced or vmapped over: :func:`split` gives
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from asgd_jax.delays.base import Event, Round, is_delay_model, is_round_model
 from asgd_jax.delays.clusters import ClusterState, computation_time
+from asgd_jax.delays.malenia import Malenia
 from asgd_jax.delays.msync import MSync
 from asgd_jax.delays.rennala import Rennala
 from asgd_jax.delays.ringmaster import Ringmaster
@@ -53,6 +55,7 @@ __all__ = [
     "Event",
     "FixedDelay",
     "MSync",
+    "Malenia",
     "RandomDelay",
     "Rennala",
     "Ringmaster",

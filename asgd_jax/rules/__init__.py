@@ -30,6 +30,9 @@ of the most used. Import from here (``asgd_jax.rules.gap_aware``), not from the 
 - ``taming_momentum``: DANA (Hakimi et al. 2019), a :class:`PullRule`: ``dana``.
 - ``incremental_aggregation``: IA²SGD (Wang et al. 2024, for heterogeneous data): ``scale_by_incremental_aggregation``,
   ``ia2sgd``.
+- ``malenia``: Malenia SGD (Tyurin & Richtárik, NeurIPS 2023, for heterogeneous data; on ``delays.Malenia``):
+  ``scale_by_malenia``, ``malenia_sgd``.
+- ``ringleader``: Ringleader ASGD (Maranjyan & Richtárik, ICLR 2026): ``scale_by_ringleader``, ``ringleader_asgd``.
 - ``combinators``: rules of rules: ``weight_decayed``, ``one_of``, and ``chained_before`` (a transform before a rule,
   its pull kept).
 - ``compressors``: compressors of the pushed payload, chained before a rule with ``compressed``: ``rand_k``,
@@ -62,7 +65,9 @@ from asgd_jax.rules.incremental_aggregation import (
     ia2sgd,
     scale_by_incremental_aggregation,
 )
+from asgd_jax.rules.malenia import MaleniaState, malenia_sgd, scale_by_malenia
 from asgd_jax.rules.registry import RULES, defaults, fingerprint, get, names, register, required
+from asgd_jax.rules.ringleader import RingleaderState, ringleader_asgd, scale_by_ringleader
 from asgd_jax.rules.staleness_aware import scale_by_staleness, staleness_aware_sgd
 from asgd_jax.rules.taming_momentum import DanaState, dana
 
@@ -73,6 +78,8 @@ __all__ = [
     "DelayedNesterovState",
     "GapAwareState",
     "IncrementalAggregationState",
+    "MaleniaState",
+    "RingleaderState",
     "PullRule",
     "ScaleByDelayCompensationState",
     "asgd",
@@ -88,6 +95,8 @@ __all__ = [
     "gap_aware",
     "get",
     "ia2sgd",
+    "malenia_sgd",
+    "ringleader_asgd",
     "defaults",
     "names",
     "one_of",
@@ -98,6 +107,8 @@ __all__ = [
     "scale_by_delay_adaptive",
     "scale_by_delay_compensation",
     "scale_by_incremental_aggregation",
+    "scale_by_malenia",
+    "scale_by_ringleader",
     "scale_by_staleness",
     "staleness_aware_sgd",
     "top_k",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import errors
+from asgd_jax import errors, server
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
 
@@ -104,3 +104,36 @@ class PullRule(NamedTuple):
     init: Callable
     update: Callable
     pull: Callable
+
+
+class MeanTable(NamedTuple):
+    """Per-slot running means of the gradients of one round (leaves ``[S, *leaf]``), their counts, and the round each
+    row holds: a row stamped with another round reads as empty, so a new round clears the table in O(1) (Malenia SGD's
+    and Ringleader ASGD's tables)."""
+
+    means: optax.Updates
+    counts: jax.Array  # int32 [S]
+    stamps: jax.Array  # int32 [S]
+
+
+def mean_table(params: optax.Params, slots: int) -> MeanTable:
+    """An empty :class:`MeanTable` of ``slots`` rows shaped like ``params``."""
+    means = jax.tree.map(lambda p: jnp.zeros((slots, *jnp.shape(p)), jnp.result_type(p)), params)
+    return MeanTable(means, jnp.zeros((slots,), jnp.int32), jnp.full((slots,), -1, jnp.int32))
+
+
+def fold_mean(table: MeanTable, slot: jax.Array, stamp: jax.Array, grads: optax.Updates):
+    """Folds ``grads`` into row ``slot``'s running mean of round ``stamp`` (mean += (g - mean) / count), in O(row).
+
+    Returns:
+      ``(table, change, first)``: the table, the change of that row's mean (a pytree), and whether ``grads`` is the
+      row's first gradient of the round.
+    """
+    valid = table.stamps[slot] == stamp
+    read = server.row(table.means, slot)
+    old = jax.tree.map(lambda o: jnp.where(valid, o, jnp.zeros_like(o)), read)
+    count = jnp.where(valid, table.counts[slot], 0) + 1
+    new = jax.tree.map(lambda o, g: o + (g - o) / count.astype(o.dtype), old, grads)
+    means = server.replace_row(table.means, slot, new, read)
+    change = jax.tree.map(jnp.subtract, new, old)
+    return MeanTable(means, table.counts.at[slot].set(count), table.stamps.at[slot].set(stamp)), change, ~valid

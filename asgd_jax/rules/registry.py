@@ -27,6 +27,8 @@ from asgd_jax.rules.delay_compensation import dc_asgd
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
 from asgd_jax.rules.gap_aware_mitigation import gap_aware
 from asgd_jax.rules.incremental_aggregation import ia2sgd
+from asgd_jax.rules.malenia import malenia_sgd
+from asgd_jax.rules.ringleader import ringleader_asgd
 from asgd_jax.rules.staleness_aware import staleness_aware_sgd
 from asgd_jax.rules.taming_momentum import dana
 
@@ -86,6 +88,8 @@ RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
     "delayed_nesterov": delayed_nesterov,
     "dana": dana,
     "ia2sgd": ia2sgd,
+    "malenia": malenia_sgd,
+    "ringleader": ringleader_asgd,
 }
 """Every rule by name: ``factory(learning_rate, **hyperparameters)``; :func:`get` builds one, :func:`register` adds
 one."""

@@ -190,6 +190,7 @@ def _async_update(c: Ctx, srv: server.ServerState, x: _Schedule):
         pull_slot=x.pull_slot,
         stale_params=params0,  # the snapshot the gradient was computed at, read once
         pull_weights=not live,
+        worker=x.worker,  # (a ring of versions' slot is not its worker)
     )
     return srv, (loss, aux, staleness, ex.n_sync * ex.batch_size)
 
