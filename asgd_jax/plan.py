@@ -140,7 +140,7 @@ class Plan:
                 self, "local_lr", errors.finite_number("local_lr", self.local_lr, positive=True, flag="--local-lr")
             )
         object.__setattr__(self, "partition", Partition.parse(self.partition))
-        if not self.partition.iid and model.num_shards == 1:
+        if not self.partition.iid and model.num_shards == 1 and getattr(model, "num_workers", None) != 1:
             raise errors.ConfigError(
                 f"partition={str(self.partition)!r} (--partition) splits the data among workers, but "
                 f"{model!r} reads one data stream: use delays=asgd_jax.delays.Workers(M) (or a cluster "

@@ -8,6 +8,7 @@ refused before anything compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -249,3 +250,25 @@ def test_a_study_arm_runs_on_its_plans_partition_every_seed_on_the_same_one():
     assert error["iid", 0] != error["iid", 1] and error["dirichlet:0.1", 0] != error["dirichlet:0.1", 1]
     # One class a worker: four workers see four of the ten classes, the model cannot learn the other six.
     assert min(error["labels:1", s] for s in (0, 1)) > max(error["iid", s] for s in (0, 1)) + 0.4
+
+
+def test_the_heterogeneous_data_study_gives_every_cell_its_partition_and_the_methods_their_clusters():
+    from asgd_jax import rules, studies
+
+    study = studies.load("heterogeneous_data")
+    arms = study.arms(study.quick, True)
+    cells = {(a.coords["M"], a.coords["data"]) for a in arms if a.coords["M"] != "—"}
+    assert cells == {(m, d) for m in (4, 16) for d in ("IID", "Dirichlet 0.1")}
+    for arm in arms:
+        labels = {v.label for v in arm.variants}
+        data = arm.coords["data"]
+        assert str(arm.plan.partition) == {"IID": "iid", "Dirichlet 0.1": "dirichlet:0.1", "—": "iid"}[data]
+        assert isinstance(arm.plan.delays, delays.Malenia) == (labels == {"Malenia"})
+        assert all(v.rule in rules.names() for v in arm.variants)
+    labels = {v.label for a in arms for v in a.variants}
+    assert {"ASGD", "DC-ASGD-a", "IA²SGD", "Ringleader", "Malenia", "SSGD", "SGD (1 worker)"} == labels
+    # A tiny form runs end to end.
+    tiny = dataclasses.replace(study.quick, dataset="digits", seeds=(0,), epochs=1.0, workers=(4,), evals=2)
+    result = studies.run(study, settings=tiny, progress=False)
+    assert {r["data"] for r in result.runs} == {"IID", "Dirichlet 0.1"}  # (the one-worker runs in every column)
+    assert all(np.isfinite(r["test_error"]) for r in result.runs)

@@ -25,6 +25,7 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
         "dcasgd_lambda_sweep",
         "dcasgd_table1",
         "gpu_asgd_nsync",
+        "heterogeneous_data",
         "heterogeneous_workers",
         "optimal_time",
         "speedup_model",
