@@ -349,6 +349,8 @@ def finish(
         raise KeyboardInterrupt(f"training interrupted at update {s.applied}; resume=True continues")
     if s.error is not None:
         raise errors.RunStopped(f"training stopped at update {s.applied}: {s.error}")
+    if metrics.error is not None:  # a sink that failed on the last records (the final evaluations): said, not lost
+        raise errors.RunStopped(f"training ended at update {s.applied}, but {metrics.error}")
     return result
 
 
