@@ -11,6 +11,8 @@ The models, a file per family (or per paper):
 * :class:`Workers` (``workers.py``) is event-driven: M workers with random compute times (or fixed ones,
   :meth:`Workers.with_times`; :func:`sqrt_times` is the optimal-time papers' cluster); the one that finishes first
   pushes, then pulls (slot = worker = shard). The default, and the law every cluster below draws from.
+  Its ``links`` (:class:`Links`, ``links.py``) make communication cost time that grows with the message: each
+  worker's upload and download, latency + bytes / bandwidth (:func:`message_bytes`: the weights' size).
 * :class:`Trace` (``traces.py``) replays a given order of pushing workers (e.g. a real trainer's ``trace.jsonl``);
   :class:`RoundTrace` replays a round method's recorded rounds. ``Trace.load`` reads either back.
 * :class:`FixedDelay` and :class:`RandomDelay` (``rings.py``) are the classic analysis setting: the gradient applied at
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 from asgd_jax.delays.base import Event, Round, is_delay_model, is_round_model
 from asgd_jax.delays.clusters import ClusterState, computation_time
+from asgd_jax.delays.links import Links, message_bytes
 from asgd_jax.delays.malenia import Malenia
 from asgd_jax.delays.msync import MSync
 from asgd_jax.delays.rennala import Rennala
@@ -54,6 +57,7 @@ __all__ = [
     "ClusterState",
     "Event",
     "FixedDelay",
+    "Links",
     "MSync",
     "Malenia",
     "RandomDelay",
@@ -67,6 +71,7 @@ __all__ = [
     "computation_time",
     "is_delay_model",
     "is_round_model",
+    "message_bytes",
     "split",
     "sqrt_times",
 ]

@@ -17,6 +17,7 @@ from asgd_jax.delays.base import check_array as _check_array
 from asgd_jax.delays.base import check_int as _check_int
 from asgd_jax.delays.base import is_concrete as _is_concrete
 from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
+from asgd_jax.delays.links import Links
 
 COMPUTE_TIME_KINDS = ("exponential", "constant", "lognormal", "pareto")
 
@@ -62,7 +63,8 @@ class Workers(_Counted):
     (``"exponential"`` with mean 1, ``"constant"`` 1, ``"lognormal"`` with mean 1 and log-std ``sigma``, or
     ``"pareto"``: heavy-tailed with mean 1 and tail index ``alpha``), times ``straggler_slowdown`` with probability
     ``straggler_prob``, plus a half-normal ``|N(0, noise[w]^2)|`` (a new draw per minibatch); each exchange adds
-    ``comm_time``. Fixed per-worker times: :meth:`with_times` (``Workers.with_times(sqrt_times(M), noise=...)`` is
+    ``comm_time``, and with ``links`` each worker's upload and download, which grow with the message (:class:`Links`).
+    Fixed per-worker times: :meth:`with_times` (``Workers.with_times(sqrt_times(M), noise=...)`` is
     the optimal-time papers' cluster, times 1 + sqrt(i)), kept exactly as given (``times``, not speeds ``1 / t``: a
     float32 ``1 / (1 / t)`` is one ulp off t for 178 of the integers 1..1000). The next push comes
     from the worker that finishes first (ties go to the lower id); after pushing it pulls the fresh weights.
@@ -81,6 +83,8 @@ class Workers(_Counted):
       noise: the scale of the additive half-normal noise per minibatch (>= 0): one number, or one per worker.
       times: optional per-worker time factors, shape ``[num]`` (> 0): worker w's minibatch takes
         ``mean_compute_time * times[w] / speeds[w]`` times the draw; :meth:`with_times` sets them.
+      links: optional :class:`Links`: every exchange also uploads the push and downloads the fresh weights, each in
+        latency + bytes / bandwidth of its worker's link (the sizes default to the weights', filled by the simulator).
 
     Example:
       >>> import asgd_jax
@@ -99,9 +103,15 @@ class Workers(_Counted):
     alpha: Any = 3.0
     noise: Any = 0.0
     times: Any = None
+    links: Any = None
 
     def __post_init__(self):
         _check_int("num", self.num, 1)
+        if self.links is not None:
+            errors.require(
+                isinstance(self.links, Links), "links", self.links, "give asgd_jax.delays.Links(latency=, bandwidth=)"
+            )
+            object.__setattr__(self, "links", self.links.for_workers(self.num))
         if self.compute_time not in COMPUTE_TIME_KINDS:
             raise errors.ConfigError(
                 f"compute_time={self.compute_time!r} is invalid: use one of {', '.join(COMPUTE_TIME_KINDS)}."
@@ -190,9 +200,13 @@ class Workers(_Counted):
         return base
 
     def work_time(self, key: jax.Array, n_sync: int, worker: jax.Array | None = None) -> jax.Array:
-        """Time of one exchange period (``n_sync`` minibatches plus ``comm_time``): ``[num]``, or a scalar for one
-        ``worker``."""
-        return self.draw(key, (n_sync,), worker).sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
+        """Time of one exchange period (``n_sync`` minibatches plus ``comm_time``, and the links' upload and download):
+        ``[num]``, or a scalar for one ``worker``."""
+        time = self.draw(key, (n_sync,), worker).sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
+        if self.links is None:
+            return time
+        up, down = self.links.times(worker)
+        return time + (up + down)
 
     def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
         """The finish time of every worker's first push."""

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asgd_jax import delays as delays_lib
 from asgd_jax import errors, exchange, partition, recipes
+from asgd_jax.delays import links as links_lib
 from asgd_jax.plan import Plan
 from asgd_jax.simulator.cache import prepare as _prepare
 from asgd_jax.simulator.checks import check_devices as _check_devices
@@ -104,6 +105,7 @@ def simulate(
     options = _check_options(on_nonfinite, checkpoint_dir, progress)  # before anything is made on a device
     key = _check_key("key", jax.random.key(0) if key is None else key, batched=False)
     _check_rule(rule)
+    plan = _sized(plan, params)
     delays_source, delay_numbers = _plan_delays(plan)
     source, rule_numbers = _recipe_source(rule, delays_source, ())
     program, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, eval_fn, source, None, plan.delays)
@@ -152,6 +154,7 @@ def lower(
     plan = _check_plan(plan)
     key = _check_key("key", jax.random.key(0) if key is None else key, batched=False)
     _check_rule(rule)
+    plan = _sized(plan, params)
     delays_source, delay_numbers = _plan_delays(plan)
     source, rule_numbers = _recipe_source(rule, delays_source, ())
     programs, _ = _prepare(loss_fn, params, data, plan, model_state, has_aux, None, source, None, plan.delays)
@@ -263,6 +266,10 @@ def prepare_sweep(
         num_runs = -(-own_runs // len(devices)) * len(devices)
         keys, hparams = _pad_runs((keys, hparams), num_runs)
     first = {k: np.asarray(v)[0] for k, v in hparams.items()}  # on the host: no device work to check a rule
+    plan = _sized(plan, params)
+    if delays_fn is not None and callable(delays_fn):
+        nbytes, given = delays_lib.message_bytes(params), delays_fn
+        delays_fn = lambda h: links_lib.sized(given(h), nbytes)  # (its links' message sizes: the weights')
     if delays_fn is None:
         delays_source, delay_numbers = _plan_delays(plan)
         first_delays = plan.delays
@@ -349,6 +356,12 @@ def _recipe_source(rule: Any, delays_source: tuple[Callable, Hashable], hp_names
     structure = built.structure
     rule_fn = lambda h, n: recipes.Recipe(structure, n["rule"]).build({**n["rule"], **h})
     return _Source(rule_fn, ("recipe", structure), *delays_source), built.numbers
+
+
+def _sized(plan: Plan, params: Any) -> Plan:
+    """``plan`` with its links' missing message sizes set to the weights' (:func:`asgd_jax.delays.links.sized`)."""
+    model = links_lib.sized(plan.delays, delays_lib.message_bytes(params))
+    return plan if model is plan.delays else plan.replace(delays=model)
 
 
 def _plan_delays(plan: Plan) -> tuple[tuple[Callable, Hashable], list[jax.Array]]:

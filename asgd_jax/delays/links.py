@@ -1,0 +1,146 @@
+"""Communication that costs time: :class:`Links`, each worker's upload and download, whose time grows with the message
+(latency + bytes / bandwidth, the model of every 2024-2026 paper with communication and of the FL simulators FedScale,
+AFL-Lib and APPFL); :func:`message_bytes`, the size of a message of the weights (or of K of its coordinates)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asgd_jax import errors
+from asgd_jax.delays.base import is_concrete as _is_concrete
+from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
+
+__all__ = ["Links", "message_bytes", "sized"]
+
+_FIELDS = ("latency", "bandwidth", "down_latency", "down_bandwidth", "up_bytes", "down_bytes")
+
+
+class Links:
+    """Every worker's link to the server: a push uploads ``up_bytes`` in ``latency + up_bytes / bandwidth``, the pull
+    after it downloads ``down_bytes`` in ``down_latency + down_bytes / down_bandwidth``, worker by worker.
+
+    Give it to :class:`~asgd_jax.delays.Workers` (``Workers(M, links=Links(...))``), or to the law a cluster draws
+    from: a worker's exchange then takes its compute time, plus ``comm_time``, plus its upload and its download, one
+    after the other (the worker waits for the fresh weights before it computes again). Every number may be one for
+    all workers or one per worker (``[M]``); all are numbers of the run (arguments of its programs, not structure).
+
+    The message sizes default to the size of the weights (:func:`message_bytes`), filled in by the simulator from the
+    run's initial weights; give ``up_bytes`` for a compressed push (``message_bytes(params, coordinates=K)`` for TopK
+    or RandK: K values and their indices), ``down_bytes`` for a compressed broadcast.
+
+    Args:
+      latency: seconds of every upload besides its bytes (>= 0).
+      bandwidth: bytes per second of the upload (> 0; ``inf``: free bytes).
+      down_latency, down_bandwidth: the download's (default: the upload's).
+      up_bytes, down_bytes: the message sizes in bytes (>= 0; default: the weights').
+
+    Example:
+      >>> import asgd_jax
+      >>> links = asgd_jax.delays.Links(latency=0.5, bandwidth=100.0, up_bytes=16, down_bytes=16)
+      >>> [round(float(t), 2) for t in links.times()]   # 0.5 + 16 / 100 each way
+      [0.66, 0.66]
+    """
+
+    latency: Any = 0.0
+    bandwidth: Any = math.inf
+    down_latency: Any = None
+    down_bandwidth: Any = None
+    up_bytes: Any = None
+    down_bytes: Any = None
+
+    def __post_init__(self):
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            positive = "bandwidth" in name
+            ok = (lambda v: v > 0) if positive else (lambda v: (v >= 0) & np.isfinite(v))
+            if _is_concrete(value):
+                try:
+                    bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
+                    array = np.asarray(value, np.float64)
+                except (TypeError, ValueError):
+                    bad, array = True, np.zeros(0)
+                if bad or array.ndim > 1 or array.size == 0 or np.isnan(array).any() or not np.all(ok(array)):
+                    expected = "> 0 (inf: free)" if positive else "finite and >= 0"
+                    raise errors.ConfigError(
+                        f"{name}={value!r} is invalid: give one number {expected}, or one per worker."
+                    )
+                value = array.astype(np.float32)
+            object.__setattr__(self, name, value)
+
+    def for_workers(self, num: int) -> Links:
+        """These links for ``num`` workers: every number a float32 ``[num]`` array (the downloads' defaults filled),
+        a per-worker list of another length refused."""
+        out = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is None and name.startswith("down_") and name != "down_bytes":
+                value = getattr(self, name.removeprefix("down_"))
+            if value is None or not _is_concrete(value):
+                out[name] = value
+                continue
+            array = np.asarray(value, np.float32)
+            if array.ndim == 1 and array.shape != (num,):
+                raise errors.ConfigError(f"{name} has {array.size} values: give one, or {num} (one per worker).")
+            out[name] = np.broadcast_to(array, (num,)).copy()
+        return dataclasses.replace(self, **out)
+
+    def times(self, worker: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(upload, download)`` seconds: ``[M]`` (or a scalar of one ``worker``); a missing size counts as 0."""
+
+        def pick(v):  # one per worker, or one for all (a sweep's traced number)
+            v = jnp.asarray(v, jnp.float32)
+            return v if worker is None or v.ndim == 0 else v[worker]
+
+        size = lambda v: jnp.float32(0.0) if v is None else pick(v)
+        up_latency, up_bandwidth = pick(self.latency), pick(self.bandwidth)
+        down_latency = up_latency if self.down_latency is None else pick(self.down_latency)
+        down_bandwidth = up_bandwidth if self.down_bandwidth is None else pick(self.down_bandwidth)
+        return up_latency + size(self.up_bytes) / up_bandwidth, down_latency + size(self.down_bytes) / down_bandwidth
+
+
+Links = _pytree_dataclass(Links, meta=())
+
+
+def message_bytes(params: Any, coordinates: int | None = None, index_bytes: int = 4) -> int:
+    """The bytes of a message of ``params``' shapes and dtypes: all of it, or (``coordinates=K``) K values of the
+    weights' widest dtype and an ``index_bytes`` index each (a TopK or RandK payload).
+
+    Example:
+      >>> import numpy as np, asgd_jax
+      >>> w = {"a": np.zeros((10, 10), np.float32), "b": np.zeros(28, np.float32)}
+      >>> asgd_jax.delays.message_bytes(w), asgd_jax.delays.message_bytes(w, coordinates=8)
+      (512, 64)
+    """
+    leaves = jax.tree.leaves(params)
+    errors.require(bool(leaves), "params", type(params).__name__, "a pytree of arrays (the weights)")
+    if coordinates is None:
+        return int(sum(np.size(x) * np.dtype(jnp.result_type(x)).itemsize for x in leaves))
+    errors.int_at_least("coordinates", coordinates, 1)
+    width = max(np.dtype(jnp.result_type(x)).itemsize for x in leaves)
+    return int(coordinates) * (width + int(index_bytes))
+
+
+def sized(model: Any, nbytes: int) -> Any:
+    """``model`` with its links' missing message sizes set to ``nbytes`` (a :class:`Workers` law's, or the one a
+    cluster draws from); any other model as it is."""
+    from asgd_jax.delays.workers import Workers
+
+    if isinstance(model, Workers):
+        links = model.links
+        if links is None or (links.up_bytes is not None and links.down_bytes is not None):
+            return model
+        fill = {
+            k: np.full(model.num, nbytes, np.float32) for k in ("up_bytes", "down_bytes") if getattr(links, k) is None
+        }
+        return dataclasses.replace(model, links=dataclasses.replace(links, **fill))
+    if isinstance(getattr(model, "workers", None), Workers) and dataclasses.is_dataclass(model):
+        return dataclasses.replace(model, workers=sized(model.workers, nbytes))
+    return model
