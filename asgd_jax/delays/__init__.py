@@ -12,7 +12,8 @@ The models, a file per family (or per paper):
   :meth:`Workers.with_times`; :func:`sqrt_times` is the optimal-time papers' cluster); the one that finishes first
   pushes, then pulls (slot = worker = shard). The default, and the law every cluster below draws from.
   Its ``links`` (:class:`Links`, ``links.py``) make communication cost time that grows with the message: each
-  worker's upload and download, latency + bytes / bandwidth (:func:`message_bytes`: the weights' size).
+  worker's upload and download, latency + bytes / bandwidth (:func:`message_bytes`: the weights' size); its
+  ``availability`` (:class:`Availability`, ``availability.py``) online windows and dropouts with a time of return.
 * :class:`Trace` (``traces.py``) replays a given order of pushing workers (e.g. a real trainer's ``trace.jsonl``);
   :class:`RoundTrace` replays a round method's recorded rounds. ``Trace.load`` reads either back.
 * :class:`FixedDelay` and :class:`RandomDelay` (``rings.py``) are the classic analysis setting: the gradient applied at
@@ -41,6 +42,7 @@ constructor of bad ones) in ``MODELS`` of ``tests/test_delays_family.py``, the t
 
 from __future__ import annotations
 
+from asgd_jax.delays.availability import Availability
 from asgd_jax.delays.base import Event, Round, is_delay_model, is_round_model
 from asgd_jax.delays.clusters import ClusterState, computation_time
 from asgd_jax.delays.links import Links, message_bytes
@@ -55,6 +57,7 @@ from asgd_jax.delays.traces import RoundTrace, Trace
 from asgd_jax.delays.workers import COMPUTE_TIME_KINDS, Workers, sqrt_times
 
 __all__ = [
+    "Availability",
     "COMPUTE_TIME_KINDS",
     "ClusterState",
     "Event",

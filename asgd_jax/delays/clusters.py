@@ -150,4 +150,10 @@ def _check_workers(workers: Any) -> Workers:
         raise errors.ConfigError(
             f"workers={workers!r} is invalid: give an asgd_jax.delays.Workers (the compute-time law) or an int M."
         )
+    errors.require(
+        workers.availability is None,
+        "workers.availability",
+        workers.availability,
+        "the optimal-time clusters do not model workers that come and go yet: use Workers(M, availability=...) alone",
+    )
     return workers

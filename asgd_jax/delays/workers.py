@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asgd_jax import errors
+from asgd_jax.delays.availability import Availability
 from asgd_jax.delays.base import Counted as _Counted
 from asgd_jax.delays.base import Event
 from asgd_jax.delays.base import check_array as _check_array
@@ -85,6 +86,8 @@ class Workers(_Counted):
         ``mean_compute_time * times[w] / speeds[w]`` times the draw; :meth:`with_times` sets them.
       links: optional :class:`Links`: every exchange also uploads the push and downloads the fresh weights, each in
         latency + bytes / bandwidth of its worker's link (the sizes default to the weights', filled by the simulator).
+      availability: optional :class:`Availability`: online windows and dropouts with a time of return; a computation
+        that would begin while its worker is away begins when it is back.
 
     Example:
       >>> import asgd_jax
@@ -104,9 +107,18 @@ class Workers(_Counted):
     noise: Any = 0.0
     times: Any = None
     links: Any = None
+    availability: Any = None
 
     def __post_init__(self):
         _check_int("num", self.num, 1)
+        if self.availability is not None:
+            errors.require(
+                isinstance(self.availability, Availability),
+                "availability",
+                self.availability,
+                "give asgd_jax.delays.Availability(period=, online=, dropout_prob=, return_time=)",
+            )
+            object.__setattr__(self, "availability", self.availability.for_workers(self.num))
         if self.links is not None:
             errors.require(
                 isinstance(self.links, Links), "links", self.links, "give asgd_jax.delays.Links(latency=, bandwidth=)"
@@ -209,14 +221,18 @@ class Workers(_Counted):
         return time + (up + down)
 
     def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
-        """The finish time of every worker's first push."""
-        return self.work_time(key, n_sync)
+        """The finish time of every worker's first push (each begins at its first online instant)."""
+        if self.availability is None:
+            return self.work_time(key, n_sync)
+        workers = jnp.arange(self.num, dtype=jnp.int32)
+        return self.availability.next_online(jnp.zeros((self.num,), jnp.float32), workers) + self.work_time(key, n_sync)
 
     def next(self, finish: jax.Array, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del t
         worker = jnp.argmin(finish).astype(jnp.int32)  # first minimum: ties go to the lower id
         time = finish[worker]
-        finish = finish.at[worker].set(time + self.work_time(key, n_sync, worker))
+        begins = time if self.availability is None else self.availability.begin(key, worker, time)
+        finish = finish.at[worker].set(begins + self.work_time(key, n_sync, worker))
         return finish, Event(worker, worker, worker, time)
 
     def sync_time(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
