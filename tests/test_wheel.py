@@ -73,6 +73,8 @@ def test_the_wheel_lists_and_loads_the_shipped_studies_outside_the_checkout(inst
         "for name in studies.available():\n"
         "    study = studies.load(name)\n"
         "    assert study.arms(study.quick, True), name\n"
+        "from asgd_jax.delays import measured\n"
+        "assert len(measured.epoch_times()) == 38  # the measured GPU table is package data\n"
         f"print(studies.load({str(mine)!r}).title)\n"
     )
     loaded = subprocess.run([*python, check], capture_output=True, text=True, cwd=tmp)

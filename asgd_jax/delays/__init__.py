@@ -13,7 +13,8 @@ The models, a file per family (or per paper):
   pushes, then pulls (slot = worker = shard). The default, and the law every cluster below draws from.
   Its ``links`` (:class:`Links`, ``links.py``) make communication cost time that grows with the message: each
   worker's upload and download, latency + bytes / bandwidth (:func:`message_bytes`: the weights' size); its
-  ``availability`` (:class:`Availability`, ``availability.py``) online windows and dropouts with a time of return.
+  ``availability`` (:class:`Availability`, ``availability.py``) online windows and dropouts with a time of return;
+  :func:`gpu_cluster` (``measured.py``) its times from measured per-GPU epoch times (the Zeus traces, shipped).
 * :class:`Trace` (``traces.py``) replays a given order of pushing workers (e.g. a real trainer's ``trace.jsonl``);
   :class:`RoundTrace` replays a round method's recorded rounds. ``Trace.load`` reads either back.
 * :class:`FixedDelay` and :class:`RandomDelay` (``rings.py``) are the classic analysis setting: the gradient applied at
@@ -47,6 +48,7 @@ from asgd_jax.delays.base import Event, Round, is_delay_model, is_round_model
 from asgd_jax.delays.clusters import ClusterState, computation_time
 from asgd_jax.delays.links import Links, message_bytes
 from asgd_jax.delays.malenia import Malenia
+from asgd_jax.delays.measured import gpu_cluster
 from asgd_jax.delays.msync import MSync
 from asgd_jax.delays.rennala import Rennala
 from asgd_jax.delays.ringmaster import Ringmaster
@@ -76,6 +78,7 @@ __all__ = [
     "Workers",
     "computation_time",
     "equilibrium_time",
+    "gpu_cluster",
     "is_delay_model",
     "is_round_model",
     "message_bytes",
