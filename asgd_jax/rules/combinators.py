@@ -61,7 +61,11 @@ def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTran
 
     The state holds every choice's state and only the chosen one's changes, so a run is the chosen rule's run. Under
     ``vmap`` with a batched index every choice is computed and one is selected: a rule costs O(parameters), small
-    beside a gradient. A :class:`PullRule` when any choice is one (the others send the weights as they are).
+    beside a gradient, except that a rule with a per-worker table (``ia2sgd``, ``ringleader_asgd``, ``dana``, a
+    per-worker ``dc_asgd``) then has its whole ``[n, ...]`` table selected on every update, O(n d) where the rule alone
+    writes one row: measured on MNIST-1D's MLP (23k parameters), 12 runs of ``one_of([asgd, ia2sgd])`` took 1.65,
+    2.06 and 6.98 ms an update at n = 4, 16, 64 against 1.32-1.46 for ``ia2sgd`` alone. Give such rules a sweep of
+    their own. A :class:`PullRule` when any choice is one (the others send the weights as they are).
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax
