@@ -67,6 +67,11 @@ MODELS = {
         delays.Malenia(delays.Workers(3, mean_compute_time=2.0)),
         lambda: delays.Malenia("three"),
     ),
+    "overlapped": Case(
+        delays.Overlapped(delays.Workers(3, links=delays.Links(latency=0.1))),
+        delays.Overlapped(delays.Workers(3, links=delays.Links(latency=[0.2, 0.3, 0.1]))),
+        lambda: delays.Overlapped(delays.Workers(3, links=delays.Links(latency=-1.0))),
+    ),
     "msync": Case(
         delays.MSync(delays.Workers(3), m=2),
         delays.MSync(delays.Workers(3, mean_compute_time=0.5), m=2),
@@ -79,7 +84,7 @@ def test_every_public_delay_model_has_a_case():
     public = (getattr(delays, name) for name in delays.__all__)
     models = {c for c in public if isinstance(c, type) and delays.is_delay_model(c)}
     assert models == {type(case.model) for case in MODELS.values()}
-    assert len(models) == 9
+    assert len(models) == 10
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -96,3 +96,43 @@ def test_bad_links_are_refused_by_name_before_anything_compiles(field, value):
         delays.Workers(3, links={"latency": 0.1})
     with pytest.raises(ConfigError, match="inf"):
         delays.Links(bandwidth=0.0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Overlapped: compute and communication as separate resources
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_overlapped_workers_push_every_compute_time_or_every_upload_whichever_is_longer():
+    compute_bound = delays.Links(latency=0.5)  # 0.5 s up, 0.5 s down, compute 1 s
+    times, _ = _times(delays.Overlapped(delays.Workers.with_times([1.0], links=compute_bound)))
+    np.testing.assert_allclose(times, 1.5 + np.arange(6), rtol=1e-6)  # against 2 s an exchange when serial
+    serial, _ = _times(delays.Workers.with_times([1.0], links=compute_bound))
+    np.testing.assert_allclose(serial, 2.0 * np.arange(1, 7), rtol=1e-6)
+    upload_bound = delays.Links(latency=3.0, down_latency=0.0)
+    times, _ = _times(delays.Overlapped(delays.Workers.with_times([1.0], links=upload_bound)))
+    np.testing.assert_allclose(times, 4.0 + 3.0 * np.arange(6), rtol=1e-6)
+
+
+def test_one_overlapped_worker_is_a_fixed_delay_of_one_bit_for_bit():
+    """Computation k + 1 runs while push k travels, at reply k - 1's weights: every gradient after the first two is
+    exactly one update stale, the run FixedDelay(1) describes on the same data stream."""
+    law = delays.Workers.with_times([1.0], links=delays.Links(latency=0.25))
+    plan = lambda model: asgd_jax.Plan(model, num_updates=40, batch_size=8)
+    ours = asgd_jax.simulate(LOSS, asgd_jax.asgd(0.05), W0, DATA, plan(delays.Overlapped(law)), progress=False)
+    ring = asgd_jax.simulate(LOSS, asgd_jax.asgd(0.05), W0, DATA, plan(delays.FixedDelay(1)), progress=False)
+    np.testing.assert_array_equal(np.asarray(ours.metrics["staleness"]), [0] + [1] * 39)
+    np.testing.assert_array_equal(ours.params, ring.params)
+
+
+def test_overlapped_workers_keep_two_backups_each_and_the_family_rules_hold():
+    model = delays.Overlapped(delays.Workers(3, links=delays.Links(latency=0.1, bandwidth=100.0)))
+    assert (model.num_slots, model.num_shards, model.num_workers) == (6, 3, 3)
+    _, workers = _times(model, num_updates=60)
+    assert set(workers.tolist()) == {0, 1, 2}
+    with pytest.raises(ConfigError, match="workers"):
+        delays.Overlapped("three")
+    with pytest.raises(ConfigError, match="availability"):
+        delays.Overlapped(delays.Workers(2, availability=delays.Availability(online=0.5, period=2.0)))
+    with pytest.raises(ConfigError, match="Overlapped"):
+        asgd_jax.TrainConfig(asgd_jax.Plan(model))

@@ -15,6 +15,8 @@ The models, a file per family (or per paper):
   worker's upload and download, latency + bytes / bandwidth (:func:`message_bytes`: the weights' size); its
   ``availability`` (:class:`Availability`, ``availability.py``) online windows and dropouts with a time of return;
   :func:`gpu_cluster` (``measured.py``) its times from measured per-GPU epoch times (the Zeus traces, shipped).
+  :class:`Overlapped` (``overlapped.py``) runs such a law's workers with compute and communication as separate
+  resources: a worker computes its next gradient while the last one uploads.
 * :class:`Trace` (``traces.py``) replays a given order of pushing workers (e.g. a real trainer's ``trace.jsonl``);
   :class:`RoundTrace` replays a round method's recorded rounds. ``Trace.load`` reads either back.
 * :class:`FixedDelay` and :class:`RandomDelay` (``rings.py``) are the classic analysis setting: the gradient applied at
@@ -50,6 +52,7 @@ from asgd_jax.delays.links import Links, message_bytes
 from asgd_jax.delays.malenia import Malenia
 from asgd_jax.delays.measured import gpu_cluster
 from asgd_jax.delays.msync import MSync
+from asgd_jax.delays.overlapped import Overlapped, OverlappedState
 from asgd_jax.delays.rennala import Rennala
 from asgd_jax.delays.ringmaster import Ringmaster
 from asgd_jax.delays.rings import FixedDelay, RandomDelay
@@ -66,6 +69,8 @@ __all__ = [
     "FixedDelay",
     "Links",
     "MSync",
+    "Overlapped",
+    "OverlappedState",
     "Malenia",
     "RandomDelay",
     "Rennala",

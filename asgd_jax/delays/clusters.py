@@ -137,13 +137,14 @@ class Cluster:
 
     def _check(self, knob: str) -> None:
         """The law (or an int M), the model's static int ``knob`` (>= 1) and, where it has one, ``stops``."""
-        object.__setattr__(self, "workers", _check_workers(self.workers))
+        object.__setattr__(self, "workers", check_workers(self.workers))
         _check_int(knob, getattr(self, knob), 1)
         stops = getattr(self, "stops", False)
         errors.require(isinstance(stops, bool), "stops", stops, "give True or False")
 
 
-def _check_workers(workers: Any) -> Workers:
+def check_workers(workers: Any) -> Workers:
+    """``workers`` as a :class:`Workers` law (an int M is ``Workers(M)``), refused by name otherwise."""
     if errors.is_int(workers):
         return Workers(workers)
     if not isinstance(workers, Workers):
@@ -154,6 +155,6 @@ def _check_workers(workers: Any) -> Workers:
         workers.availability is None,
         "workers.availability",
         workers.availability,
-        "the optimal-time clusters do not model workers that come and go yet: use Workers(M, availability=...) alone",
+        "the optimal-time clusters and Overlapped do not model workers that come and go yet: use Workers(M) alone",
     )
     return workers
