@@ -141,3 +141,19 @@ def test_a_compressed_run_is_the_same_bits_for_its_seed_and_one_program_for_ever
     plain = asgd_jax.simulate(loss, asgd_jax.asgd(0.05), np.zeros(8, np.float32), data, plan, progress=False)
     assert np.abs(first - np.arange(1.0, 9.0)).sum() < np.abs(np.arange(1.0, 9.0)).sum()  # it still descends
     assert not np.array_equal(first, np.asarray(plain.params))
+
+
+def test_a_fraction_of_the_payload_is_a_count_fixed_by_its_shape():
+    g = jnp.array([0.1, -4.0, 0.3, 2.0, -0.2, 0.0, 5.0, 1.0])
+    top = rules.top_k(fraction=0.25)
+    np.testing.assert_array_equal(top.update(g, top.init(g))[0], [0, -4.0, 0, 0, 0, 0, 5.0, 0])
+    rand = rules.rand_k(fraction=0.5, seed=3)
+    out = np.asarray(rand.update(g, rand.init(g))[0])
+    kept = np.flatnonzero(out)
+    assert len(kept) <= 4 and np.allclose(out[kept], 2.0 * np.asarray(g)[kept])  # d / k = 2, unbiased
+    assert rules.top_k(fraction=1e-9).update(g, top.init(g))[0].tolist().count(0.0) == 7  # at least one kept
+    for bad in ({"k": 2, "fraction": 0.5}, {}, {"fraction": 0.0}, {"fraction": 1.5}, {"fraction": True}):
+        with pytest.raises(ConfigError, match=r"k|fraction"):
+            rules.top_k(**bad)
+        with pytest.raises(ConfigError, match=r"k|fraction"):
+            rules.rand_k(**bad)

@@ -71,6 +71,23 @@ def _size(tree: Any, k: int, name: str) -> int:
     return d
 
 
+def _check_kept(k: Any, fraction: Any) -> None:
+    """Exactly one of ``k`` (a count) and ``fraction`` (of the payload's coordinates, in (0, 1])."""
+    errors.require((k is None) != (fraction is None), "k", k, "give k (a count) or fraction (of the payload), not both")
+    if k is not None:
+        _check_count("k", k)
+    else:
+        ok = isinstance(fraction, int | float) and not isinstance(fraction, bool) and 0 < fraction <= 1
+        errors.require(ok, "fraction", fraction, "give a Python number in (0, 1]: it sets a shape of the program")
+
+
+def _kept(k: int | None, fraction: float | None, tree: Any) -> int:
+    """The coordinates kept of a payload shaped like ``tree``: ``k``, or ``fraction`` of them (at least 1)."""
+    d = sum(int(np.size(x)) for x in jax.tree.leaves(tree))
+    count = k if k is not None else max(1, round(fraction * d))
+    return min(count, d) if k is None else count
+
+
 def _keyed(seed: Any) -> jax.Array:
     return jax.random.key_data(jax.random.key(seed))
 
@@ -88,9 +105,12 @@ def _flat(updates: Any) -> tuple[jax.Array, Any]:
     return flat, lambda v: jax.tree.map(lambda x, t: x.astype(t), unravel(v), dtypes)
 
 
-@recipe(numbers=("seed",))
-def rand_k(k: int, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
-    """RandK: ``k`` coordinates of the payload drawn uniformly without replacement, scaled by d/k (unbiased).
+@recipe(numbers=("seed",), static=("fraction",))
+def rand_k(
+    k: int | None = None, *, fraction: float | None = None, seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """RandK: ``k`` coordinates of the payload (or ``fraction`` of them) drawn uniformly without replacement, scaled by
+    d/k (unbiased).
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax
@@ -99,29 +119,32 @@ def rand_k(k: int, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
       >>> sorted(out.tolist())
       [0.0, 0.0, 0.0, 4.0]
     """
-    _check_count("k", k)
+    _check_kept(k, fraction)
     _check_seed(seed)
 
     def init(params):
-        _size(params, k, "k")
+        _size(params, _kept(k, fraction, params), "k")
         return CompressorState(_keyed(seed), ())
 
     def update(updates, state, params=None, **extra):
         del params, extra
         key, next_key = _next(state)
         flat, unravel = _flat(updates)
-        d = flat.shape[0]
-        kept = jax.random.choice(key, d, (k,), replace=False)
-        out = jnp.zeros_like(flat).at[kept].set(flat[kept] * (d / k))
+        d, count = flat.shape[0], _kept(k, fraction, updates)
+        kept = jax.random.choice(key, d, (count,), replace=False)
+        out = jnp.zeros_like(flat).at[kept].set(flat[kept] * (d / count))
         return unravel(out), CompressorState(next_key, ())
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-@recipe(numbers=())
-def top_k(k: int, *, num_workers: int | None = None) -> optax.GradientTransformationExtraArgs:
-    """TopK: the ``k`` coordinates of the payload of largest magnitude, unscaled (biased, contractive); with
-    ``num_workers``, each worker's error feedback (what its compressions left out, added to its next payload).
+@recipe(numbers=(), static=("fraction",))
+def top_k(
+    k: int | None = None, *, fraction: float | None = None, num_workers: int | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """TopK: the ``k`` coordinates of the payload (or ``fraction`` of them) of largest magnitude, unscaled (biased,
+    contractive); with ``num_workers``, each worker's error feedback (what its compressions left out, added to its
+    next payload).
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax
@@ -132,12 +155,12 @@ def top_k(k: int, *, num_workers: int | None = None) -> optax.GradientTransforma
       >>> out
       Array([0. , 3.5], dtype=float32)
     """
-    _check_count("k", k)
+    _check_kept(k, fraction)
     if num_workers is not None:
         _check_count("num_workers", num_workers)
 
     def init(params):
-        _size(params, k, "k")
+        _size(params, _kept(k, fraction, params), "k")
         if num_workers is None:
             return CompressorState(jnp.zeros((0,), jnp.uint32), ())
         return CompressorState(
@@ -147,15 +170,16 @@ def top_k(k: int, *, num_workers: int | None = None) -> optax.GradientTransforma
 
     def update(updates, state, params=None, *, worker=None, **extra):
         del params, extra
+        count = _kept(k, fraction, updates)
         if num_workers is None:
             flat, unravel = _flat(updates)
-            return unravel(_largest(flat, k)), state
+            return unravel(_largest(flat, count)), state
         if worker is None:
             raise errors.ConfigError("top_k(num_workers=...) keeps each worker's error feedback: pass worker=.")
         w = jnp.asarray(worker, jnp.int32)
         old = server.row(state.error, w)
         flat, as_error = _flat(jax.tree.map(lambda g, e: jnp.asarray(g, jnp.float32) + e, updates, old))
-        sent = _largest(flat, k)
+        sent = _largest(flat, count)
         error = server.replace_row(state.error, w, as_error(flat - sent), old)
         return _flat(updates)[1](sent), CompressorState(state.key, error)
 

@@ -22,6 +22,7 @@ from asgd_jax.recipes import recipe
 from asgd_jax.rules.async_local_sgd import delayed_nesterov
 from asgd_jax.rules.async_sgd import asgd
 from asgd_jax.rules.common import ScalarOrSchedule
+from asgd_jax.rules.compressors import compressed, rand_k, top_k
 from asgd_jax.rules.delay_adaptive import delay_adaptive_sgd
 from asgd_jax.rules.delay_compensation import dc_asgd
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
@@ -75,6 +76,20 @@ def _named_dc_asgd_a(
     )
 
 
+@recipe(static=("fraction",))
+def _named_topk_asgd(learning_rate: ScalarOrSchedule, *, num_workers: int, fraction: float = 1 / 16):
+    """ASGD stepping with a TopK push: the ``fraction`` of the payload's coordinates of largest magnitude, each
+    worker's error feedback (:func:`compressed` with :func:`top_k`); ``fraction`` shapes the program."""
+    return compressed(asgd(learning_rate), top_k(fraction=fraction, num_workers=num_workers))
+
+
+@recipe(numbers=("learning_rate", "seed"), static=("fraction",))
+def _named_randk_asgd(learning_rate: ScalarOrSchedule, *, fraction: float = 1 / 16, seed: int = 0):
+    """ASGD stepping with a RandK push: ``fraction`` of the coordinates at random, scaled by its inverse, unbiased
+    (:func:`compressed` with :func:`rand_k`); ``fraction`` shapes the program, ``seed`` is a number."""
+    return compressed(asgd(learning_rate), rand_k(fraction=fraction, seed=seed))
+
+
 RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
     "sgd": _named_sgd,
     "asgd": asgd,
@@ -90,6 +105,8 @@ RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
     "ia2sgd": ia2sgd,
     "malenia": malenia_sgd,
     "ringleader": ringleader_asgd,
+    "topk_asgd": _named_topk_asgd,
+    "randk_asgd": _named_randk_asgd,
 }
 """Every rule by name: ``factory(learning_rate, **hyperparameters)``; :func:`get` builds one, :func:`register` adds
 one."""
