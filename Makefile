@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 --nbmake tests notebooks
 
 STUDIES := dcasgd_table1 dcasgd_lambda_sweep staleness_curve gpu_asgd_nsync speedup_model heterogeneous_workers \
-	heterogeneous_data \
+	heterogeneous_data communication_bound \
 	staleness_leaderboard optimal_time
 
 # Every study's quick form, the report, and each study's final plot copied to docs/results/ (what the README shows).

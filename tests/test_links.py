@@ -136,3 +136,31 @@ def test_overlapped_workers_keep_two_backups_each_and_the_family_rules_hold():
         delays.Overlapped(delays.Workers(2, availability=delays.Availability(online=0.5, period=2.0)))
     with pytest.raises(ConfigError, match="Overlapped"):
         asgd_jax.TrainConfig(asgd_jax.Plan(model))
+
+
+def test_a_compressed_push_can_be_a_share_of_the_weights_size():
+    big = {"w": W0, "pad": np.zeros(996, np.float32)}  # 4,000 bytes
+    loss = lambda p, b: LOSS(p["w"], b) + 0.0 * jnp.sum(p["pad"])
+    eighth = delays.Links(latency=0.0, bandwidth=1_000.0, up_scale=0.125)  # 500 bytes up, 4,000 down
+    times, _ = _times(delays.Workers.with_times([1.0], links=eighth), params=big, loss=loss)
+    np.testing.assert_allclose(times[:3], [5.5, 11.0, 16.5], rtol=1e-6)
+
+
+def test_the_communication_study_puts_every_rule_on_the_links_but_its_free_reference():
+    from asgd_jax import studies
+
+    study = studies.load("communication_bound")
+    arms = study.arms(study.quick, True)
+    for arm in arms:
+        law = arm.plan.delays.workers if isinstance(arm.plan.delays, delays.Overlapped) else arm.plan.delays
+        labels = {v.label for v in arm.variants}
+        assert (law.links is None) == (arm.coords["messages"] == "free"), labels
+        if labels & {"TopK ASGD", "RandK ASGD"}:
+            assert float(np.asarray(law.links.up_scale)[0]) == 0.125  # a sixteenth of float32s with 4-byte indices
+    assert {v.label for a in arms for v in a.variants} == {
+        "ASGD",
+        "ASGD, overlapped",
+        "TopK ASGD",
+        "RandK ASGD",
+        "SSGD",
+    }

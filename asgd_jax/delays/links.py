@@ -18,7 +18,7 @@ from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
 
 __all__ = ["Links", "message_bytes", "sized"]
 
-_FIELDS = ("latency", "bandwidth", "down_latency", "down_bandwidth", "up_bytes", "down_bytes")
+_FIELDS = ("latency", "bandwidth", "down_latency", "down_bandwidth", "up_bytes", "down_bytes", "up_scale")
 
 
 class Links:
@@ -32,13 +32,15 @@ class Links:
 
     The message sizes default to the size of the weights (:func:`message_bytes`), filled in by the simulator from the
     run's initial weights; give ``up_bytes`` for a compressed push (``message_bytes(params, coordinates=K)`` for TopK
-    or RandK: K values and their indices), ``down_bytes`` for a compressed broadcast.
+    or RandK: K values and their indices), or ``up_scale`` (the push as a share of the weights' size: 1/8 for a
+    sixteenth of float32 coordinates with 4-byte indices), ``down_bytes`` for a compressed broadcast.
 
     Args:
       latency: seconds of every upload besides its bytes (>= 0).
       bandwidth: bytes per second of the upload (> 0; ``inf``: free bytes).
       down_latency, down_bandwidth: the download's (default: the upload's).
       up_bytes, down_bytes: the message sizes in bytes (>= 0; default: the weights').
+      up_scale: with ``up_bytes`` not given, the push's size as a multiple of the weights' (>= 0; default 1).
 
     Example:
       >>> import asgd_jax
@@ -53,6 +55,7 @@ class Links:
     down_bandwidth: Any = None
     up_bytes: Any = None
     down_bytes: Any = None
+    up_scale: Any = 1.0
 
     def __post_init__(self):
         for name in _FIELDS:
@@ -129,8 +132,8 @@ def message_bytes(params: Any, coordinates: int | None = None, index_bytes: int 
 
 
 def sized(model: Any, nbytes: int) -> Any:
-    """``model`` with its links' missing message sizes set to ``nbytes`` (a :class:`Workers` law's, or the one a
-    cluster draws from); any other model as it is."""
+    """``model`` with its links' missing message sizes set to ``nbytes`` (the push's times its ``up_scale``; a
+    :class:`Workers` law's, or the one a cluster draws from); any other model as it is."""
     from asgd_jax.delays.workers import Workers
 
     if isinstance(model, Workers):
@@ -140,6 +143,8 @@ def sized(model: Any, nbytes: int) -> Any:
         fill = {
             k: np.full(model.num, nbytes, np.float32) for k in ("up_bytes", "down_bytes") if getattr(links, k) is None
         }
+        if "up_bytes" in fill:  # (a compressed push: a share of the weights)
+            fill["up_bytes"] = fill["up_bytes"] * links.up_scale
         return dataclasses.replace(model, links=dataclasses.replace(links, **fill))
     if isinstance(getattr(model, "workers", None), Workers) and dataclasses.is_dataclass(model):
         return dataclasses.replace(model, workers=sized(model.workers, nbytes))

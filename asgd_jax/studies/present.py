@@ -227,9 +227,10 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, referenc
     tuned = f" (best of each {'/'.join(study.tuning.over)} grid)" if study.tuning.over else ""
     budgeted = study.table.equal_time and metric in ("time_to_target", "speedup")
     within = " within its column's time budget" if budgeted else ""
-    note = f"\nx: no value (the target not reached{within} in some seed, or diverged)" if missing else ""
+    note = f"x: no value (the target not reached{within} in some seed, or diverged)" if missing else ""
     title = study.title if metric == study.table.metric else f"{study.title.split(':')[0]}: {_describe(study, metric)}"
-    fig.suptitle(textwrap.fill(f"{title}{tuned}", 64 if numeric and len(facets) == 1 else 110) + note, fontsize=10)
+    chars = min(64 if numeric and len(facets) == 1 else 110, int(11 * size[0]))  # (about 11 characters an inch)
+    fig.suptitle("\n".join(textwrap.fill(t, chars) for t in (f"{title}{tuned}", note) if t), fontsize=10)
     return fig
 
 
