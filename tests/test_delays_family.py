@@ -72,6 +72,11 @@ MODELS = {
         delays.Overlapped(delays.Workers(3, links=delays.Links(latency=[0.2, 0.3, 0.1]))),
         lambda: delays.Overlapped(delays.Workers(3, links=delays.Links(latency=-1.0))),
     ),
+    "shadowheart": Case(
+        delays.Shadowheart(delays.Workers.with_times([1.0, 2.0]), send_times=[0.5, 0.5], fraction=0.5),
+        delays.Shadowheart(delays.Workers.with_times([1.0, 2.0]), send_times=[0.48, 0.48], fraction=0.5),  # same b, m
+        lambda: delays.Shadowheart(delays.Workers.with_times([1.0, 2.0]), send_times=[0.5, 0.0]),
+    ),
     "msync": Case(
         delays.MSync(delays.Workers(3), m=2),
         delays.MSync(delays.Workers(3, mean_compute_time=0.5), m=2),
@@ -84,7 +89,7 @@ def test_every_public_delay_model_has_a_case():
     public = (getattr(delays, name) for name in delays.__all__)
     models = {c for c in public if isinstance(c, type) and delays.is_delay_model(c)}
     assert models == {type(case.model) for case in MODELS.values()}
-    assert len(models) == 10
+    assert len(models) == 11
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -1,13 +1,16 @@
-"""Shadowheart SGD's equilibrium time t* (Tyurin et al., NeurIPS 2024, Definition 4.2) against a direct solve, its
-limits, and each worker's share of a round."""
+"""Shadowheart SGD (Tyurin et al., NeurIPS 2024): its equilibrium time t* (Definition 4.2) against a direct solve, its
+limits, each worker's share of a round, and the round model that runs the method (its clock, its combination)."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import asgd_jax
 from asgd_jax import delays
 from asgd_jax.errors import ConfigError
 
@@ -81,3 +84,67 @@ def test_a_round_gives_each_worker_its_floor_of_t_star_and_weights_those_that_ta
 def test_bad_times_are_refused_by_name(args, match):
     with pytest.raises(ConfigError, match=match):
         delays.equilibrium_time(*args)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The round model
+# --------------------------------------------------------------------------------------------------------------------
+
+X = np.random.default_rng(0).normal(size=(96, 4)).astype(np.float32)
+DATA = {"x": X, "y": X @ np.ones(4, np.float32)}
+LOSS = lambda w, b: 0.5 * jnp.mean((b["x"] @ w - b["y"]) ** 2)
+W0 = np.zeros(4, np.float32)
+
+
+def _sim(model, num_updates=30, batch_size=8, rule=None):
+    plan = asgd_jax.Plan(model, num_updates=num_updates, batch_size=batch_size)
+    rule = rule or asgd_jax.rules.get("sgd", 0.05)
+    return asgd_jax.simulate(LOSS, rule, W0, DATA, plan, progress=False)
+
+
+def test_a_round_takes_the_slowest_compute_and_send_and_uses_t_stars_counts():
+    law = delays.Workers.with_times([1.0, 2.0, 4.0])
+    model = delays.Shadowheart(law, send_times=[0.5, 1.0, 0.25], fraction=0.5, sigma2_over_eps=2.0)
+    share = delays.shadowheart_round([1.0, 2.0, 4.0], [0.5, 1.0, 0.25], omega=1.0, sigma2_over_eps=2.0)
+    active = share.weights > 0
+    assert model.b == tuple(np.where(active, share.b, 0)) and model.m == tuple(np.where(active, share.m, 0))
+    assert model.round_size == sum(model.b)
+    np.testing.assert_allclose(np.sum(model.weights * np.array(model.m) * np.array(model.b)), 1.0, rtol=1e-6)
+    per_round = max(b * h + m * t for b, m, h, t in zip(model.b, model.m, [1, 2, 4], [0.5, 1, 0.25], strict=True))
+    times = np.asarray(_sim(model).metrics["time"])
+    np.testing.assert_allclose(times, per_round * np.arange(1, 31), rtol=1e-5)
+
+
+def test_without_compression_one_worker_is_minibatch_sgd_on_its_b_minibatches():
+    # One worker, h = tau = 1: t* = max(1, 2 sigma^2/eps) = 3 at sigma^2/eps = 1.5, so b = m = 3, and the step is
+    # w m sum_j g_j / (w m b): the mean of 3 minibatches of 8, one minibatch of 24 (the same examples, in order).
+    model = delays.Shadowheart(delays.Workers.with_times([1.0]), send_times=[1.0], sigma2_over_eps=1.5)
+    assert (model.b, model.m) == ((3,), (3,))
+    ours = _sim(model, num_updates=20)
+    sgd = _sim(1, num_updates=20, batch_size=24)
+    np.testing.assert_allclose(ours.params, sgd.params, rtol=1e-5, atol=1e-6)
+
+
+def test_the_randk_combination_is_unbiased_over_its_draws():
+    law = delays.Workers.with_times([1.0, 1.5])
+    model = delays.Shadowheart(law, send_times=[0.3, 0.3], fraction=0.25, sigma2_over_eps=1.0)
+    k = model.round_size
+    payloads = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(k, 8)), jnp.float32)}
+    combine = jax.jit(jax.vmap(model.combine, in_axes=(None, 0)))
+    draws = combine(payloads, jax.random.split(jax.random.key(0), 4000))["w"]
+    owner = np.repeat(np.arange(2), model.b)
+    sums = np.stack([np.asarray(payloads["w"])[owner == i].sum(axis=0) for i in range(2)])
+    expected = (model.weights[:, None] * np.array(model.m)[:, None] * sums).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(draws).mean(axis=0), expected, atol=0.06 * np.abs(expected).max())
+    assert np.asarray(draws).std(axis=0).min() > 0  # compressed: the draws differ
+
+
+def test_shadowheart_refuses_what_it_cannot_decide_from():
+    with pytest.raises(ConfigError, match="fixed compute times"):
+        delays.Shadowheart(delays.Workers(2), send_times=[1.0, 1.0])
+    with pytest.raises(ConfigError, match="fraction"):
+        delays.Shadowheart(delays.Workers.with_times([1.0]), send_times=[1.0], fraction=1.5)
+    with pytest.raises(ConfigError, match="send_times"):
+        delays.Shadowheart(delays.Workers.with_times([1.0]), send_times=[-1.0])
+    with pytest.raises(ConfigError, match="Shadowheart"):
+        asgd_jax.TrainConfig(asgd_jax.Plan(delays.Shadowheart(delays.Workers.with_times([1.0]), send_times=[1.0])))

@@ -28,7 +28,8 @@ The models, a file per family (or per paper):
   :class:`Rennala` (``rennala.py``: rounds of S gradients at the current weights) and :class:`MSync` (``msync.py``:
   the first m of M gradients per round), the last two round models; and :class:`Malenia` (``malenia.py``: rounds
   that close when every worker has reported, for the rule ``rules.malenia_sgd``); and Shadowheart SGD's decisions
-  (``shadowheart.py``: :func:`equilibrium_time` t* and each worker's share of a round, :func:`shadowheart_round`).
+  (``shadowheart.py``: :func:`equilibrium_time` t* and each worker's share of a round, :func:`shadowheart_round`)
+  and its round model, :class:`Shadowheart`.
 
 Static fields (the number of slots, the distribution's kind) shape the compiled program; numeric fields (mean compute
 time, speeds, straggler probability, ...) are pytree leaves, so they may be traced or vmapped over: :func:`split` gives
@@ -56,7 +57,7 @@ from asgd_jax.delays.overlapped import Overlapped, OverlappedState
 from asgd_jax.delays.rennala import Rennala
 from asgd_jax.delays.ringmaster import Ringmaster
 from asgd_jax.delays.rings import FixedDelay, RandomDelay
-from asgd_jax.delays.shadowheart import ShadowheartRound, equilibrium_time, shadowheart_round
+from asgd_jax.delays.shadowheart import Shadowheart, ShadowheartRound, equilibrium_time, shadowheart_round
 from asgd_jax.delays.structure import Structure, split
 from asgd_jax.delays.traces import RoundTrace, Trace
 from asgd_jax.delays.workers import COMPUTE_TIME_KINDS, Workers, sqrt_times
@@ -76,6 +77,7 @@ __all__ = [
     "Rennala",
     "Ringmaster",
     "Round",
+    "Shadowheart",
     "ShadowheartRound",
     "RoundTrace",
     "Structure",

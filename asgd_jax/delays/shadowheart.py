@@ -3,19 +3,22 @@ time t* of a cluster whose workers take h_i per gradient and tau_i per compresse
 of a round: b_i = floor(t* / h_i) gradients, m_i = floor(t* / tau_i) compressed messages, and the server's weights.
 
 Decided from the cluster's numbers alone, before any gradient, as the optimal-time clusters decide theirs (host-side,
-float64: the times are fixed numbers of the run). The round model that runs the method on them is not in the package
-yet; these are what it will read, and what a study can print beside its clusters.
+float64: the times are fixed numbers of the run); :class:`Shadowheart` is the round model that runs the method on
+them.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from asgd_jax import errors
+from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
 
-__all__ = ["ShadowheartRound", "equilibrium_time", "shadowheart_round"]
+__all__ = ["Shadowheart", "ShadowheartRound", "equilibrium_time", "shadowheart_round"]
 
 _BISECTIONS = 200
 
@@ -111,3 +114,120 @@ def shadowheart_round(compute_times, send_times, omega: float, sigma2_over_eps: 
     with np.errstate(divide="ignore"):
         weights = np.where(active, 1.0 / (b * omega + omega * r + m * r), 0.0)
     return ShadowheartRound(t, b, m, weights)
+
+
+class Shadowheart:
+    """Shadowheart SGD's cluster (Tyurin, Pozzi, Ilin & Richtárik, NeurIPS 2024, Algorithm 1; the order of events of
+    the authors' simulator): a round model whose every round, from x^k, worker i computes b_i = floor(t*/h_i)
+    gradients one after another and sums them, then sends m_i = floor(t*/tau_i) independent compressions of the sum
+    (RandK of ``fraction`` of the coordinates, scaled by 1/fraction; the identity without ``fraction``), one after
+    another; the round ends when the last message arrives, after max_i (b_i h_i + m_i tau_i). The step is
+    x^{k+1} = x^k - lr sum_i w_i sum_j C_ij(g_i) / sum_i w_i m_i b_i, w_i = 1 / (b_i omega + omega sigma^2/eps +
+    m_i sigma^2/eps), a worker with b_i or m_i of 0 sitting out (:func:`shadowheart_round`); run it with the ``sgd``
+    rule (the rule applies the combined step).
+
+    b, m and the weights are decided on the host from the law's fixed times h_i (``Workers.with_times``), the send
+    times tau_i, omega = 1/fraction - 1 and sigma^2/eps, so they shape the program (a cluster with other times
+    compiles its own); the clock reads the law's numbers. Simulator only.
+
+    Args:
+      workers: a :class:`Workers` law of fixed times (``compute_time="constant"``): h_i.
+      send_times: tau_i, the time to send one compressed message, one per worker (> 0).
+      fraction: RandK's share of the coordinates a message keeps (in (0, 1]); None: no compression (omega = 0).
+      sigma2_over_eps: sigma^2 / epsilon (>= 0), the method's knob (the authors tune it).
+
+    Example:
+      >>> import asgd_jax
+      >>> law = asgd_jax.delays.Workers.with_times([1.0, 3.0])
+      >>> c = asgd_jax.delays.Shadowheart(law, send_times=[1.0, 1.0], fraction=0.5, sigma2_over_eps=1.0)
+      >>> c.b, c.m, c.round_size   # t* = 3.54: 3 + 1 gradients, 3 messages each
+      ((3, 1), (3, 3), 4)
+    """
+
+    workers: Any
+    send_times: Any = 1.0
+    fraction: float | None = None
+    sigma2_over_eps: float = 1.0
+    b: tuple = ()
+    m: tuple = ()
+    weights: Any = None
+
+    def __post_init__(self):
+        from asgd_jax.delays.clusters import check_workers
+
+        law = check_workers(self.workers)
+        object.__setattr__(self, "workers", law)
+        if self.b:  # rebuilt from its pytree: decided already
+            return
+        errors.require(
+            law.compute_time == "constant" and law.straggler_prob == 0 and law.noise == 0,
+            "workers",
+            law,
+            "Shadowheart decides its rounds from fixed compute times: give Workers.with_times(h)",
+        )
+        if self.fraction is not None:
+            ok = isinstance(self.fraction, int | float) and not isinstance(self.fraction, bool)
+            errors.require(ok and 0 < self.fraction <= 1, "fraction", self.fraction, "give a number in (0, 1]")
+        speeds = np.ones(law.num) if law.speeds is None else np.asarray(law.speeds, np.float64)
+        times = np.ones(law.num) if law.times is None else np.asarray(law.times, np.float64)
+        h = float(np.asarray(law.mean_compute_time)) * times / speeds
+        tau = np.broadcast_to(_times("send_times", np.atleast_1d(self.send_times)), (law.num,)).astype(np.float32)
+        omega = 0.0 if self.fraction is None else 1.0 / self.fraction - 1.0
+        r = shadowheart_round(h, tau, omega, self.sigma2_over_eps)
+        errors.require(bool((r.weights > 0).any()), "send_times", self.send_times, "no worker can take part in a round")
+        object.__setattr__(self, "send_times", np.asarray(tau, np.float32))
+        object.__setattr__(self, "b", tuple(int(x) for x in np.where(r.weights > 0, r.b, 0)))
+        object.__setattr__(self, "m", tuple(int(x) for x in np.where(r.weights > 0, r.m, 0)))
+        object.__setattr__(self, "weights", (r.weights / np.sum(r.weights * r.m * r.b)).astype(np.float32))
+
+    num_slots = 1
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers.num
+
+    @property
+    def num_shards(self) -> int:
+        return self.workers.num
+
+    @property
+    def round_size(self) -> int:
+        return sum(self.b)
+
+    def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
+        del key, n_sync
+        return jnp.zeros((2,), jnp.float32)  # the clock and the busy time
+
+    def round(self, s: jax.Array, t: jax.Array, key: jax.Array, n_sync: int = 1):
+        from asgd_jax.delays.base import Round
+
+        del t
+        h = self.workers.draw(key)  # the fixed times, from the law's numbers
+        b, m = jnp.asarray(self.b, jnp.float32), jnp.asarray(self.m, jnp.float32)
+        spent = b * h + m * jnp.asarray(self.send_times, jnp.float32)
+        s = s + jnp.stack([spent.max(), spent.sum()])
+        shards = jnp.asarray(np.repeat(np.arange(self.workers.num), self.b), jnp.int32)
+        return s, Round(shards, jnp.zeros_like(shards), s[0], s[1], jnp.zeros((), jnp.float32))
+
+    def combine(self, payloads: Any, key: jax.Array) -> Any:
+        """The round's step direction from its ``round_size`` payloads (leaves ``[K, ...]``, worker by worker):
+        sum_i w_i sum_{j <= m_i} C_ij(g_i) / sum_i w_i m_i b_i (the weights are normalised already)."""
+        from jax.flatten_util import ravel_pytree
+
+        num, owner = self.workers.num, jnp.asarray(np.repeat(np.arange(self.workers.num), self.b), jnp.int32)
+        flat = jax.vmap(lambda p: ravel_pytree(p)[0])(payloads)  # [K, d]
+        sums = jax.ops.segment_sum(flat, owner, num_segments=num)  # g_i: [M, d]
+        d, m = flat.shape[1], np.asarray(self.m)
+        if self.fraction is None:  # the identity: sum_j C_ij(g_i) = m_i g_i
+            counts = jnp.asarray(m, jnp.float32)[:, None]
+        else:  # m_i RandK masks per worker, each of k coordinates scaled by d / k
+            k = max(1, round(self.fraction * d))
+            draws = jax.random.uniform(key, (num, max(int(m.max()), 1), d))
+            kept = jax.nn.one_hot(jax.lax.top_k(draws, k)[1], d, dtype=jnp.float32).sum(axis=-2)  # [M, m_max, d]
+            used = (jnp.arange(kept.shape[1])[None, :] < jnp.asarray(m)[:, None]).astype(jnp.float32)
+            counts = (kept * used[:, :, None]).sum(axis=1) * (d / k)
+        step = (jnp.asarray(self.weights)[:, None] * counts * sums).sum(axis=0)
+        return ravel_pytree(jax.tree.map(lambda x: x[0], payloads))[1](step.astype(flat.dtype))
+
+
+Shadowheart = _pytree_dataclass(Shadowheart, meta=("fraction", "sigma2_over_eps", "b", "m"))

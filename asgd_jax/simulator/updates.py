@@ -210,9 +210,13 @@ def _sync_update(c: Ctx, srv: server.ServerState, x: _Schedule):
     )(batches, jax.random.split(x.round_key, num))
     mean_state = exchange.mean_tree(model_states) if ex.stateful else None
     # Every payload was computed at params0: slot 0's snapshot (the live weights w_t, see live_slot).
-    srv, staleness = server.exchange(
-        c.rule, srv, 0, exchange.mean_tree(payloads), mean_state, stale_params=params0, pull_weights=not live
+    # The round's step direction: their mean, or the round model's own combination (Shadowheart's weighted sum of
+    # compressed per-worker sums).
+    combine = getattr(c.delays, "combine", None)
+    payload = (
+        exchange.mean_tree(payloads) if combine is None else combine(payloads, jax.random.fold_in(x.round_key, num))
     )
+    srv, staleness = server.exchange(c.rule, srv, 0, payload, mean_state, stale_params=params0, pull_weights=not live)
     aux = jax.tree.map(jnp.mean, auxes)
     return srv, (losses.mean(), aux, staleness, num * ex.n_sync * ex.batch_size)
 
