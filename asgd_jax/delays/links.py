@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -123,25 +124,30 @@ def message_bytes(params: Any, coordinates: int | None = None, index_bytes: int 
       (512, 64)
     """
     leaves = jax.tree.leaves(params)
-    errors.require(bool(leaves), "params", type(params).__name__, "a pytree of arrays (the weights)")
+    try:
+        widths = [np.dtype(jnp.result_type(x)).itemsize for x in leaves]
+    except TypeError:
+        widths = []
+    errors.require(bool(widths), "params", type(params).__name__, "give a pytree of arrays (the weights)")
     if coordinates is None:
-        return int(sum(np.size(x) * np.dtype(jnp.result_type(x)).itemsize for x in leaves))
+        return int(sum(np.size(x) * w for x, w in zip(leaves, widths, strict=True)))
     errors.int_at_least("coordinates", coordinates, 1)
-    width = max(np.dtype(jnp.result_type(x)).itemsize for x in leaves)
-    return int(coordinates) * (width + int(index_bytes))
+    return int(coordinates) * (max(widths) + int(index_bytes))
 
 
-def sized(model: Any, nbytes: int) -> Any:
+def sized(model: Any, nbytes: int | Callable[[], int]) -> Any:
     """``model`` with its links' missing message sizes set to ``nbytes`` (the push's times its ``up_scale``; a
-    :class:`Workers` law's, or the one a cluster draws from); any other model as it is."""
+    :class:`Workers` law's, or the one a cluster draws from); any other model as it is. ``nbytes`` may be a function,
+    called only when a size is missing."""
     from asgd_jax.delays.workers import Workers
 
     if isinstance(model, Workers):
         links = model.links
         if links is None or (links.up_bytes is not None and links.down_bytes is not None):
             return model
+        size = nbytes() if callable(nbytes) else nbytes
         fill = {
-            k: np.full(model.num, nbytes, np.float32) for k in ("up_bytes", "down_bytes") if getattr(links, k) is None
+            k: np.full(model.num, size, np.float32) for k in ("up_bytes", "down_bytes") if getattr(links, k) is None
         }
         if "up_bytes" in fill:  # (a compressed push: a share of the weights)
             fill["up_bytes"] = fill["up_bytes"] * links.up_scale

@@ -268,8 +268,8 @@ def prepare_sweep(
     first = {k: np.asarray(v)[0] for k, v in hparams.items()}  # on the host: no device work to check a rule
     plan = _sized(plan, params)
     if delays_fn is not None and callable(delays_fn):
-        nbytes, given = delays_lib.message_bytes(params), delays_fn
-        delays_fn = lambda h: links_lib.sized(given(h), nbytes)  # (its links' message sizes: the weights')
+        given = delays_fn
+        delays_fn = lambda h: links_lib.sized(given(h), lambda: delays_lib.message_bytes(params))  # (the weights')
     if delays_fn is None:
         delays_source, delay_numbers = _plan_delays(plan)
         first_delays = plan.delays
@@ -360,7 +360,7 @@ def _recipe_source(rule: Any, delays_source: tuple[Callable, Hashable], hp_names
 
 def _sized(plan: Plan, params: Any) -> Plan:
     """``plan`` with its links' missing message sizes set to the weights' (:func:`asgd_jax.delays.links.sized`)."""
-    model = links_lib.sized(plan.delays, delays_lib.message_bytes(params))
+    model = links_lib.sized(plan.delays, lambda: delays_lib.message_bytes(params))  # (only a model with links)
     return plan if model is plan.delays else plan.replace(delays=model)
 
 
