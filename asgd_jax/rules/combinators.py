@@ -63,9 +63,9 @@ def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTran
     ``vmap`` with a batched index every choice is computed and one is selected: a rule costs O(parameters), small
     beside a gradient, except that a rule with a per-worker table (``ia2sgd``, ``ringleader_asgd``, ``dana``, a
     per-worker ``dc_asgd``) then has its whole ``[n, ...]`` table selected on every update, O(n d) where the rule alone
-    writes one row: measured on MNIST-1D's MLP (23k parameters), 12 runs of ``one_of([asgd, ia2sgd])`` took 1.65,
-    2.06 and 6.98 ms an update at n = 4, 16, 64 against 1.32-1.46 for ``ia2sgd`` alone. Give such rules a sweep of
-    their own. A :class:`PullRule` when any choice is one (the others send the weights as they are).
+    writes one row: measured (``experiments/benchmarks/one_of_tables.py``), 12 runs of ``one_of([asgd, ia2sgd])``
+    on MNIST-1D's MLP of 289k parameters took 22.7, 46.3 and 138.6 ms an update at n = 4, 16, 64 against 14.4-14.6 for
+    ``ia2sgd`` alone. Give such rules a sweep of their own. A :class:`PullRule` when any choice is one (the others send the weights as they are).
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax

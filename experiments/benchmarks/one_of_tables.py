@@ -10,7 +10,7 @@ learning rates) of MNIST-1D's MLP on ``Workers(n)``, per update, side by side in
 at n = 4, 16 and 64 and two model sizes (the MLP's default 23,050 parameters, and ``hidden=(512, 512)``, 287k). "first
 call" is the sweep's first call (compilation included), "steady" the second one's time per update.
 
-    .venv/bin/python experiments/benchmarks/one_of_tables.py          # ~4 minutes on 2 cores
+    .venv/bin/python experiments/benchmarks/one_of_tables.py          # ~8 minutes on 2 cores
 """
 
 import time
