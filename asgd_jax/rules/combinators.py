@@ -65,7 +65,8 @@ def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTran
     per-worker ``dc_asgd``) then has its whole ``[n, ...]`` table selected on every update, O(n d) where the rule alone
     writes one row: measured (``experiments/benchmarks/one_of_tables.py``), 12 runs of ``one_of([asgd, ia2sgd])``
     on MNIST-1D's MLP of 289k parameters took 22.7, 46.3 and 138.6 ms an update at n = 4, 16, 64 against 14.4-14.6 for
-    ``ia2sgd`` alone. Give such rules a sweep of their own. A :class:`PullRule` when any choice is one (the others send the weights as they are).
+    ``ia2sgd`` alone. Give such rules a sweep of their own. A :class:`PullRule` when any choice is one (the others
+    send the weights as they are).
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax
