@@ -121,8 +121,8 @@ def stop(workers: Workers, s: ClusterState, which: jax.Array, now, version, n_sy
     )
 
 
-class Cluster:
-    """Shared by the optimal-time models: M workers drawn from a :class:`Workers` law."""
+class OfWorkers:
+    """A model of M workers drawn from a :class:`Workers` law (its field ``workers``): one data shard each."""
 
     @property
     def num_workers(self) -> int:
@@ -131,6 +131,10 @@ class Cluster:
     @property
     def num_shards(self) -> int:
         return self.workers.num
+
+
+class Cluster(OfWorkers):
+    """Shared by the optimal-time models: M workers drawn from a :class:`Workers` law."""
 
     def init(self, key: jax.Array, n_sync: int = 1) -> ClusterState:
         return _fresh(self.workers, key, n_sync)

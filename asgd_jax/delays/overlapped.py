@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from asgd_jax.delays.base import Event
 from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
+from asgd_jax.delays.clusters import OfWorkers as _OfWorkers
 from asgd_jax.delays.clusters import check_workers as _check_workers
 
 
@@ -22,7 +23,7 @@ class OverlappedState(NamedTuple):
     pushes: jax.Array
 
 
-class Overlapped:
+class Overlapped(_OfWorkers):
     """M workers whose computing and communicating overlap: a worker begins its next gradient as soon as it has
     finished one, while that one uploads (one push in flight at a time, uploads one after the other on its link), at
     the freshest weights it holds.
@@ -53,14 +54,6 @@ class Overlapped:
 
     def __post_init__(self):
         object.__setattr__(self, "workers", _check_workers(self.workers))
-
-    @property
-    def num_workers(self) -> int:
-        return self.workers.num
-
-    @property
-    def num_shards(self) -> int:
-        return self.workers.num
 
     @property
     def num_slots(self) -> int:

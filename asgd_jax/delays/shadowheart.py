@@ -17,6 +17,8 @@ import numpy as np
 
 from asgd_jax import errors
 from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
+from asgd_jax.delays.clusters import OfWorkers as _OfWorkers
+from asgd_jax.delays.clusters import check_workers as _check_workers
 
 __all__ = ["Shadowheart", "ShadowheartRound", "equilibrium_time", "shadowheart_round"]
 
@@ -116,7 +118,7 @@ def shadowheart_round(compute_times, send_times, omega: float, sigma2_over_eps: 
     return ShadowheartRound(t, b, m, weights)
 
 
-class Shadowheart:
+class Shadowheart(_OfWorkers):
     """Shadowheart SGD's cluster (Tyurin, Pozzi, Ilin & Richtárik, NeurIPS 2024, Algorithm 1; the order of events of
     the authors' simulator): a round model whose every round, from x^k, worker i computes b_i = floor(t*/h_i)
     gradients one after another and sums them, then sends m_i = floor(t*/tau_i) independent compressions of the sum
@@ -153,9 +155,7 @@ class Shadowheart:
     weights: Any = None
 
     def __post_init__(self):
-        from asgd_jax.delays.clusters import check_workers
-
-        law = check_workers(self.workers)
+        law = _check_workers(self.workers)
         object.__setattr__(self, "workers", law)
         if self.b:  # rebuilt from its pytree: decided already
             return
@@ -181,14 +181,6 @@ class Shadowheart:
         object.__setattr__(self, "weights", (r.weights / np.sum(r.weights * r.m * r.b)).astype(np.float32))
 
     num_slots = 1
-
-    @property
-    def num_workers(self) -> int:
-        return self.workers.num
-
-    @property
-    def num_shards(self) -> int:
-        return self.workers.num
 
     @property
     def round_size(self) -> int:

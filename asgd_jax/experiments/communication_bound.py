@@ -21,17 +21,14 @@ Expected:  on the links every rule needs several times the free-message time; ov
 
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
+from asgd_jax.experiments._tuned import lrs as _lrs
+from asgd_jax.experiments._tuned import tuned
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study, Table, Tuning, Variant
+from asgd_jax.studies import Arm, Settings, Study, Table, Tuning
 
 WORKERS = (4, 16)
 BANDWIDTH = 46_100.0
 """Bytes per time unit of every link: the quick form's MLP (92,200 bytes of weights) in 2 time units each way."""
-LR_GRID = (0.125, 0.25, 0.5, 1.0)
-
-
-def _lrs(s: Settings, scale: float = 1.0) -> list[float]:
-    return [round(scale * f * s.learning_rate, 6) for f in LR_GRID]
 
 
 def links(up_scale: float = 1.0) -> delays.Links:
@@ -48,8 +45,8 @@ def cell_arms(s: Settings, m: int) -> list[Arm]:
         Arm(free, Plan(s.cluster(m)), variants=asgd("ASGD")),
         Arm(c, on_links, variants=asgd("ASGD")),
         Arm(c, on_links.replace(delays=delays.Overlapped(on_links.delays)), variants=asgd("ASGD, overlapped")),
-        Arm(c, squeezed, variants=tuple(Variant("TopK ASGD", rule="topk_asgd", lr=lr) for lr in _lrs(s))),
-        Arm(c, squeezed, variants=tuple(Variant("RandK ASGD", rule="randk_asgd", lr=lr) for lr in _lrs(s, 0.25))),
+        Arm(c, squeezed, variants=tuned("TopK ASGD", "topk_asgd", s)),
+        Arm(c, squeezed, variants=tuned("RandK ASGD", "randk_asgd", s, 0.25)),
         Arm(c, on_links.replace(mode="sync"), variants=tuple(variant("SSGD", lr=lr) for lr in _lrs(s, 4.0))),
     ]
 

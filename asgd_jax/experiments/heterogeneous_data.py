@@ -23,18 +23,15 @@ Expected:  by the 2024-2026 papers, under the Dirichlet partition the rules that
 
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
+from asgd_jax.experiments._tuned import lrs as _lrs
+from asgd_jax.experiments._tuned import sequential_reference, tuned
 from asgd_jax.plan import Plan
-from asgd_jax.studies import Arm, Settings, Study, Table, Tuning, Variant
+from asgd_jax.studies import Arm, Settings, Study, Table, Tuning
 
 WORKERS = (4, 16)
 PARTITIONS = {"IID": "iid", "Dirichlet 0.1": "dirichlet:0.1"}
-#: The learning-rate grid, as multiples of the settings' learning rate (the largest); SSGD and Malenia average several
-#: gradients per step, so they take four times it (at twice it their picks sat at the grid's top edge).
-LR_GRID = (0.125, 0.25, 0.5, 1.0)
-
-
-def _lrs(s: Settings, scale: float = 1.0) -> list[float]:
-    return [round(scale * f * s.learning_rate, 6) for f in LR_GRID]
+#: SSGD and Malenia average several gradients per step, so their grid (``_tuned.LR_GRID``) is four times the others'
+#: (at twice it their picks sat at the grid's top edge).
 
 
 def cluster(s: Settings, m: int) -> delays.Workers:
@@ -53,25 +50,18 @@ def cell_arms(s: Settings, m: int, data: str) -> list[Arm]:
     tables = [("IA²SGD", "ia2sgd"), ("Ringleader", "ringleader")]
     return [
         Arm(c, plan, variants=tuple(push)),
-        *(Arm(c, plan, variants=tuple(Variant(label, rule=rule, lr=lr) for lr in _lrs(s))) for label, rule in tables),
+        *(Arm(c, plan, variants=tuned(label, rule, s)) for label, rule in tables),
         Arm(
             c,
             plan.replace(delays=delays.Malenia(law)),
-            variants=tuple(Variant("Malenia", rule="malenia", lr=lr) for lr in _lrs(s, 4.0)),
+            variants=tuned("Malenia", "malenia", s, 4.0),
         ),
         Arm(c, plan.replace(mode="sync"), variants=tuple(variant("SSGD", lr=lr) for lr in _lrs(s, 4.0))),
     ]
 
 
 def arms(s: Settings, quick: bool) -> list[Arm]:
-    out = [
-        Arm(
-            {"M": "—", "data": "—"},
-            Plan(s.cluster(1)),
-            variants=tuple(Variant("SGD (1 worker)", rule="sgd", lr=lr) for lr in _lrs(s, 2.0)),
-            for_every={"M": s.workers, "data": tuple(PARTITIONS)},
-        )
-    ]
+    out = [sequential_reference(s, data=tuple(PARTITIONS))]
     for data in PARTITIONS:
         for m in s.workers:
             out += cell_arms(s, m, data)

@@ -27,6 +27,8 @@ import dataclasses
 
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
+from asgd_jax.experiments._tuned import lrs as _lrs
+from asgd_jax.experiments._tuned import sequential_reference
 from asgd_jax.plan import Plan
 from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Table, Tuning, Variant
 
@@ -43,16 +45,11 @@ def clusters(m: int) -> dict[str, dict]:
     }
 
 
-#: The learning-rate grid, as multiples of the settings' learning rate (the largest); DANA's momentum 0.9 takes a
-#: fifth of it, SSGD's mean of M gradients twice it, Delayed Nesterov's outer rate on deltas is its own.
-LR_GRID = (0.125, 0.25, 0.5, 1.0)
+#: The learning-rate grid is ``_tuned.LR_GRID``; DANA's momentum 0.9 takes a fifth of it, SSGD's mean of M gradients
+#: twice it, Delayed Nesterov's outer rate on deltas is its own.
 DN_OUTER = (0.5, 1.0, 2.0, 4.0)
 LAM_C = (0.04, 0.2)
 LAM_A = (1.0, 4.0)
-
-
-def _lrs(s: Settings, scale: float = 1.0) -> list[float]:
-    return [round(scale * f * s.learning_rate, 6) for f in LR_GRID]
 
 
 def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
@@ -92,14 +89,7 @@ def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
 
 
 def arms(s: Settings, quick: bool) -> list[Arm]:
-    out = [
-        Arm(
-            {"M": "—", "cluster": "—"},
-            Plan(s.cluster(1)),
-            variants=tuple(Variant("SGD (1 worker)", rule="sgd", lr=lr) for lr in _lrs(s, 2.0)),
-            for_every={"M": s.workers, "cluster": tuple(clusters(1))},
-        )
-    ]
+    out = [sequential_reference(s, cluster=tuple(clusters(1)))]
     for cluster in clusters(1):
         for m in s.workers:
             out += rule_arms(s, m, cluster, clusters(m)[cluster])
