@@ -164,3 +164,16 @@ def test_the_communication_study_puts_every_rule_on_the_links_but_its_free_refer
         "RandK ASGD",
         "SSGD",
     }
+
+
+def test_a_jittered_link_draws_every_messages_time_with_mean_one_factor():
+    steady = delays.Links(latency=1.0)  # 1 s each way, compute 1 s: every exchange 3 s
+    np.testing.assert_allclose(_times(delays.Workers.with_times([1.0], links=steady))[0], 3.0 * np.arange(1, 7))
+    jittered = delays.Links(latency=1.0, jitter=0.5)
+    times, _ = _times(delays.Workers.with_times([1.0], links=jittered), num_updates=3000)
+    gaps = np.diff(np.concatenate([[0.0], times]))
+    assert abs(gaps.mean() - 3.0) < 0.05 and gaps.std() > 0.4 and gaps.min() > 1.0  # log-normal factors of mean 1
+    with pytest.raises(ConfigError, match="jitter"):
+        delays.Links(jitter=-0.1)
+    with pytest.raises(ConfigError, match="jitter"):
+        delays.Workers(3, links=delays.Links(jitter=[0.1, 0.2]))

@@ -42,6 +42,8 @@ class Links:
       down_latency, down_bandwidth: the download's (default: the upload's).
       up_bytes, down_bytes: the message sizes in bytes (>= 0; default: the weights').
       up_scale: with ``up_bytes`` not given, the push's size as a multiple of the weights' (>= 0; default 1).
+      jitter: every message's time drawn anew, times a log-normal factor of mean 1 and log-std ``jitter`` (>= 0; one
+        number or one per worker; a literal 0, the default, draws nothing).
 
     Example:
       >>> import asgd_jax
@@ -57,8 +59,10 @@ class Links:
     up_bytes: Any = None
     down_bytes: Any = None
     up_scale: Any = 1.0
+    jitter: Any = 0.0
 
     def __post_init__(self):
+        object.__setattr__(self, "jitter", _checked_jitter(self.jitter))
         for name in _FIELDS:
             value = getattr(self, name)
             if value is None:
@@ -94,10 +98,14 @@ class Links:
             if array.ndim == 1 and array.shape != (num,):
                 raise errors.ConfigError(f"{name} has {array.size} values: give one, or {num} (one per worker).")
             out[name] = np.broadcast_to(array, (num,)).copy()
+        jitter = self.jitter
+        if isinstance(jitter, np.ndarray) and jitter.ndim == 1 and jitter.shape != (num,):
+            raise errors.ConfigError(f"jitter has {jitter.size} values: give one, or {num} (one per worker).")
         return dataclasses.replace(self, **out)
 
-    def times(self, worker: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """``(upload, download)`` seconds: ``[M]`` (or a scalar of one ``worker``); a missing size counts as 0."""
+    def times(self, worker: jax.Array | None = None, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(upload, download)`` seconds: ``[M]`` (or a scalar of one ``worker``); a missing size counts as 0; with
+        ``jitter``, each drawn with ``key``."""
 
         def pick(v):  # one per worker, or one for all (a sweep's traced number)
             v = jnp.asarray(v, jnp.float32)
@@ -107,10 +115,31 @@ class Links:
         up_latency, up_bandwidth = pick(self.latency), pick(self.bandwidth)
         down_latency = up_latency if self.down_latency is None else pick(self.down_latency)
         down_bandwidth = up_bandwidth if self.down_bandwidth is None else pick(self.down_bandwidth)
-        return up_latency + size(self.up_bytes) / up_bandwidth, down_latency + size(self.down_bytes) / down_bandwidth
+        up = up_latency + size(self.up_bytes) / up_bandwidth
+        down = down_latency + size(self.down_bytes) / down_bandwidth
+        if key is None or (isinstance(self.jitter, int | float) and self.jitter == 0):
+            return up, down
+        sigma = pick(self.jitter)
+        z = jax.random.normal(jax.random.fold_in(key, 5), (2, *jnp.shape(up)), jnp.float32)
+        factor = jnp.exp(sigma * z - 0.5 * sigma * sigma)  # log-normal of mean 1
+        return up * factor[0], down * factor[1]
 
 
 Links = _pytree_dataclass(Links, meta=())
+
+
+def _checked_jitter(value: Any) -> Any:
+    """``jitter`` as given when it is a literal 0 (no draw) or traced, else a float32 number or ``[M]`` (>= 0)."""
+    if (isinstance(value, int | float) and not isinstance(value, bool) and value == 0) or not _is_concrete(value):
+        return value
+    try:
+        bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
+        array = np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        bad, array = True, np.zeros(0)
+    if bad or array.ndim > 1 or array.size == 0 or not np.all(np.isfinite(array) & (array >= 0)):
+        raise errors.ConfigError(f"jitter={value!r} is invalid: give one number >= 0, or one per worker.")
+    return array.astype(np.float32)
 
 
 def message_bytes(params: Any, coordinates: int | None = None, index_bytes: int = 4) -> int:

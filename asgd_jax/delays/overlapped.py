@@ -59,13 +59,13 @@ class Overlapped(_OfWorkers):
     def num_slots(self) -> int:
         return 2 * self.workers.num
 
-    def _link(self, worker: Any = None) -> tuple[jax.Array, jax.Array]:
+    def _link(self, worker: Any = None, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(upload, download)`` seconds (``comm_time`` counts as upload)."""
         law = self.workers
         comm = jnp.asarray(law.comm_time, jnp.float32)
         if law.links is None:
             return comm, jnp.float32(0.0)
-        up, down = law.links.times(worker)
+        up, down = law.links.times(worker, key)
         return comm + up, down
 
     def _compute(self, key: jax.Array, n_sync: int, worker: Any = None) -> jax.Array:
@@ -74,14 +74,14 @@ class Overlapped(_OfWorkers):
     def init(self, key: jax.Array, n_sync: int = 1) -> OverlappedState:
         first = self._compute(jax.random.fold_in(key, 0), n_sync)
         second = self._compute(jax.random.fold_in(key, 1), n_sync)
-        up, _ = self._link()
+        up, _ = self._link(None, jax.random.fold_in(key, 2))
         zero = jnp.zeros((self.workers.num,), jnp.int32)
         return OverlappedState(first + up, first + second, zero)
 
     def next(self, s: OverlappedState, t: jax.Array, key: jax.Array, n_sync: int = 1):
         del t
         w = jnp.argmin(s.arrive).astype(jnp.int32)  # first minimum: ties go to the lower id
-        now, up, down = s.arrive[w], *self._link(w)
+        now, up, down = s.arrive[w], *self._link(w, key)
         slot = 2 * w + s.pushes[w] % 2
         # Push k + 1 uploads once computed and the link is free; computation k + 2 begins once computation k + 1 is
         # done and reply k (this push's) has arrived.

@@ -217,7 +217,7 @@ class Workers(_Counted):
         time = self.draw(key, (n_sync,), worker).sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
         if self.links is None:
             return time
-        up, down = self.links.times(worker)
+        up, down = self.links.times(worker, key)
         return time + (up + down)
 
     def init(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
