@@ -13,7 +13,7 @@ same for every rule on the links (as in ``staleness_leaderboard``; free messages
 the second, the final test error at the equal number of epochs.
 
 Command:   asgd-jax run communication_bound --quick --out results/communication_bound   (its time: the README)
-Full form: asgd-jax run communication_bound --out results/communication_bound_full       (5 seeds, 30 epochs)
+Full form: asgd-jax run communication_bound --out results/communication_bound_full       (10 seeds, 30 epochs)
 Expected:  on the links every rule needs several times the free-message time; overlapping compute and upload and
            compressing the push (1/8 of the bytes) both win most of it back, TopK better than RandK, whose 16x
            scaled coordinates are noisy; SSGD waits for its slowest exchange every round.
@@ -61,7 +61,7 @@ STUDY = Study(
     reproduces=__doc__,
     quick=Settings(
         dataset="mnist1d",
-        seeds=(0, 1, 2),
+        seeds=(0, 1, 2, 3, 4),
         epochs=10.0,
         learning_rate=0.4,
         evals=8,
