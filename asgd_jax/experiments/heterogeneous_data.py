@@ -1,10 +1,12 @@
 """Heterogeneous data: the methods made for it beside the classic rules, on IID shards and on a Dirichlet(0.1) label
 partition (the Ringleader and IA²SGD papers' setup), on the optimal-time papers' cluster of fixed times 1 + sqrt(i).
 
-Rules: ASGD; DC-ASGD-a (Zheng et al. 2017, lambda_0 = 2); IA²SGD (Wang et al. 2024: the mean of every worker's
-latest gradient); Ringleader ASGD (Maranjyan & Richtárik 2026: cycles of n updates on tables of per-worker means);
-Malenia SGD (Tyurin & Richtárik 2023: rounds until every worker has reported, the mean of per-worker means, on its
-own cluster); SSGD (every worker once a round); sequential SGD (one worker, IID) as the reference. M in {4, 16}.
+Rules: the leaderboard's push rules (ASGD; DC-ASGD-a, Zheng et al. 2017, lambda_0 = 2; staleness-aware;
+delay-adaptive; Gap-Aware) and optimal-time methods (Ringmaster and Rennala with stops, R = S = M/2), beside the methods
+made for heterogeneous data: IA²SGD (Wang et al. 2024: the mean of every worker's latest gradient); Ringleader ASGD
+(Maranjyan & Richtárik 2026: cycles of n updates on tables of per-worker means); Malenia SGD (Tyurin & Richtárik 2023:
+rounds until every worker has reported, the mean of per-worker means, on its own cluster); SSGD (every worker once a
+round); sequential SGD (one worker, IID) as the reference. M in {4, 16}.
 Every run reads the same number of minibatches (effective epochs); each rule's learning rate is tuned on a small grid
 in the same sweep, and a cell shows the setting with the lowest final training error. The table is the final test
 error at that equal number of epochs. Not the time to a training-error target, as ``staleness_leaderboard`` ranks:
@@ -41,10 +43,17 @@ def cluster(s: Settings, m: int) -> delays.Workers:
 
 def cell_arms(s: Settings, m: int, data: str) -> list[Arm]:
     """Every rule's runs for one cell (M, data): the push rules share one program (the rule itself is traced)."""
-    c, law = {"M": m, "data": data}, cluster(s, m)
+    c, law, half = {"M": m, "data": data}, cluster(s, m), max(1, m // 2)
     plan = Plan(law, partition=PARTITIONS[data])
+    sgd = lambda label, scale: tuned(label, "sgd", s, scale)
     push = [variant("ASGD", lr=lr) for lr in _lrs(s)]
     push += [variant("DC-ASGD-a", lam=2.0, adaptive=True, lr=lr) for lr in _lrs(s)]
+    for label, rule in [
+        ("staleness-aware", "staleness_aware"),
+        ("delay-adaptive", "delay_adaptive"),
+        ("Gap-Aware", "gap_aware"),
+    ]:
+        push += tuned(label, rule, s)
     # The rules with an n-row table each get an arm (a program) of their own: mixed with other rules in one program,
     # every update would select between the rules' whole states, an O(n d) copy (rules.one_of).
     tables = [("IA²SGD", "ia2sgd"), ("Ringleader", "ringleader")]
@@ -57,6 +66,9 @@ def cell_arms(s: Settings, m: int, data: str) -> list[Arm]:
             variants=tuned("Malenia", "malenia", s, 4.0),
         ),
         Arm(c, plan.replace(mode="sync"), variants=tuple(variant("SSGD", lr=lr) for lr in _lrs(s, 4.0))),
+        # The optimal-time methods as the leaderboard runs them: R and S at half the cluster, plain SGD at the server.
+        Arm(c, plan.replace(delays=delays.Ringmaster(law, half, stops=True)), variants=sgd("Ringmaster (stops)", 1.0)),
+        Arm(c, plan.replace(delays=delays.Rennala(law, half, stops=True)), variants=sgd("Rennala (stops)", 2.0)),
     ]
 
 
