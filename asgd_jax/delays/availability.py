@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asgd_jax import errors
-from asgd_jax.delays.base import is_concrete as _is_concrete
+from asgd_jax.delays.base import for_workers as _for_workers
 from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
+from asgd_jax.delays.base import worker_numbers as _numbers
 
 __all__ = ["Availability"]
 
@@ -61,28 +61,13 @@ class Availability:
     def __post_init__(self):
         for name, (ok, expected) in _CHECKS.items():
             value = getattr(self, name)
-            if not _is_concrete(value) or (name == "dropout_prob" and isinstance(value, int | float) and value == 0):
-                continue  # traced (a sweep's), or the literal 0 that switches the draw off
-            try:
-                bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
-                array = np.asarray(value, np.float64)
-            except (TypeError, ValueError):
-                bad, array = True, np.zeros(0)
-            if bad or array.ndim > 1 or array.size == 0 or not np.all(np.isfinite(array) & ok(array)):
-                raise errors.ConfigError(f"{name}={value!r} is invalid: give one number {expected}, or one per worker.")
-            object.__setattr__(self, name, array.astype(np.float32))
+            if name == "dropout_prob" and isinstance(value, int | float) and value == 0:
+                continue  # the literal 0 that switches the draw off
+            object.__setattr__(self, name, _numbers(name, value, lambda v, ok=ok: np.isfinite(v) & ok(v), expected))
 
     def for_workers(self, num: int) -> Availability:
         """This availability for ``num`` workers (every array ``[num]``; a list of another length refused)."""
-        out = {}
-        for name in _CHECKS:
-            value = getattr(self, name)
-            if isinstance(value, np.ndarray):
-                if value.ndim == 1 and value.shape != (num,):
-                    raise errors.ConfigError(f"{name} has {value.size} values: give one, or {num} (one per worker).")
-                value = np.broadcast_to(value, (num,)).copy()
-            out[name] = value
-        return dataclasses.replace(self, **out)
+        return dataclasses.replace(self, **{name: _for_workers(name, getattr(self, name), num) for name in _CHECKS})
 
     def _of(self, name: str, worker: Any) -> jax.Array:
         v = jnp.asarray(getattr(self, name), jnp.float32)

@@ -131,6 +131,31 @@ def check_array(name: str, value: Any, ok, expected: str, per_update: bool = Fal
         raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be {what} {expected}.")
 
 
+def worker_numbers(name: str, value: Any, ok, expected: str) -> Any:
+    """A number of a delay model given once or once per worker: a float32 number or 1-D array, each value not NaN and
+    ``ok``; refused by name otherwise (traced values, a sweep's, as given)."""
+    if not is_concrete(value):
+        return value
+    try:
+        bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
+        array = np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        bad, array = True, np.zeros(0)
+    if bad or array.ndim > 1 or array.size == 0 or np.isnan(array).any() or not np.all(ok(array)):
+        raise errors.ConfigError(f"{name}={value!r} is invalid: give one number {expected}, or one per worker.")
+    return array.astype(np.float32)
+
+
+def for_workers(name: str, value: Any, num: int) -> Any:
+    """A :func:`worker_numbers` value as ``[num]`` (one number for all broadcast), a list of another length refused;
+    None and traced values as given."""
+    if not isinstance(value, np.ndarray):
+        return value
+    if value.ndim == 1 and value.shape != (num,):
+        raise errors.ConfigError(f"{name} has {value.size} values: give one, or {num} (one per worker).")
+    return np.broadcast_to(value, (num,)).copy()
+
+
 class Counted:
     """A model of ``num`` workers, each reading its own data shard."""
 

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from asgd_jax import errors
-from asgd_jax.delays.base import is_concrete as _is_concrete
+from asgd_jax.delays.base import for_workers as _for_workers
 from asgd_jax.delays.base import pytree_dataclass as _pytree_dataclass
+from asgd_jax.delays.base import worker_numbers as _numbers
 
 __all__ = ["Links", "message_bytes", "sized"]
 
@@ -62,45 +63,27 @@ class Links:
     jitter: Any = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "jitter", _checked_jitter(self.jitter))
+        if not (isinstance(self.jitter, int | float) and not isinstance(self.jitter, bool) and self.jitter == 0):
+            object.__setattr__(
+                self, "jitter", _numbers("jitter", self.jitter, lambda v: np.isfinite(v) & (v >= 0), ">= 0")
+            )
         for name in _FIELDS:
-            value = getattr(self, name)
-            if value is None:
+            if getattr(self, name) is None:
                 continue
-            positive = "bandwidth" in name
-            ok = (lambda v: v > 0) if positive else (lambda v: (v >= 0) & np.isfinite(v))
-            if _is_concrete(value):
-                try:
-                    bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
-                    array = np.asarray(value, np.float64)
-                except (TypeError, ValueError):
-                    bad, array = True, np.zeros(0)
-                if bad or array.ndim > 1 or array.size == 0 or np.isnan(array).any() or not np.all(ok(array)):
-                    expected = "> 0 (inf: free)" if positive else "finite and >= 0"
-                    raise errors.ConfigError(
-                        f"{name}={value!r} is invalid: give one number {expected}, or one per worker."
-                    )
-                value = array.astype(np.float32)
-            object.__setattr__(self, name, value)
+            ok, expected = (lambda v: v > 0, "> 0 (inf: free)") if "bandwidth" in name else (_finite, "finite and >= 0")
+            object.__setattr__(self, name, _numbers(name, getattr(self, name), ok, expected))
 
     def for_workers(self, num: int) -> Links:
         """These links for ``num`` workers: every number a float32 ``[num]`` array (the downloads' defaults filled),
         a per-worker list of another length refused."""
         out = {}
-        for name in _FIELDS:
+        for name in (*_FIELDS, "jitter"):
             value = getattr(self, name)
-            if value is None and name.startswith("down_") and name != "down_bytes":
+            if value is None and name in ("down_latency", "down_bandwidth"):
                 value = getattr(self, name.removeprefix("down_"))
-            if value is None or not _is_concrete(value):
-                out[name] = value
-                continue
-            array = np.asarray(value, np.float32)
-            if array.ndim == 1 and array.shape != (num,):
-                raise errors.ConfigError(f"{name} has {array.size} values: give one, or {num} (one per worker).")
-            out[name] = np.broadcast_to(array, (num,)).copy()
-        jitter = self.jitter
-        if isinstance(jitter, np.ndarray) and jitter.ndim == 1 and jitter.shape != (num,):
-            raise errors.ConfigError(f"jitter has {jitter.size} values: give one, or {num} (one per worker).")
+            out[name] = (
+                value if name == "jitter" and not isinstance(value, np.ndarray) else _for_workers(name, value, num)
+            )
         return dataclasses.replace(self, **out)
 
     def times(self, worker: jax.Array | None = None, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -119,7 +102,7 @@ class Links:
         down = down_latency + size(self.down_bytes) / down_bandwidth
         if key is None or (isinstance(self.jitter, int | float) and self.jitter == 0):
             return up, down
-        sigma = pick(self.jitter)
+        sigma = jnp.broadcast_to(pick(self.jitter), jnp.shape(up))[None]  # (one or one per worker, per message)
         z = jax.random.normal(jax.random.fold_in(key, 5), (2, *jnp.shape(up)), jnp.float32)
         factor = jnp.exp(sigma * z - 0.5 * sigma * sigma)  # log-normal of mean 1
         return up * factor[0], down * factor[1]
@@ -128,18 +111,8 @@ class Links:
 Links = _pytree_dataclass(Links, meta=())
 
 
-def _checked_jitter(value: Any) -> Any:
-    """``jitter`` as given when it is a literal 0 (no draw) or traced, else a float32 number or ``[M]`` (>= 0)."""
-    if (isinstance(value, int | float) and not isinstance(value, bool) and value == 0) or not _is_concrete(value):
-        return value
-    try:
-        bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
-        array = np.asarray(value, np.float64)
-    except (TypeError, ValueError):
-        bad, array = True, np.zeros(0)
-    if bad or array.ndim > 1 or array.size == 0 or not np.all(np.isfinite(array) & (array >= 0)):
-        raise errors.ConfigError(f"jitter={value!r} is invalid: give one number >= 0, or one per worker.")
-    return array.astype(np.float32)
+def _finite(v: np.ndarray) -> np.ndarray:
+    return (v >= 0) & np.isfinite(v)
 
 
 def message_bytes(params: Any, coordinates: int | None = None, index_bytes: int = 4) -> int:

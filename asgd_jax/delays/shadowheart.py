@@ -215,7 +215,9 @@ class Shadowheart(_OfWorkers):
         else:  # m_i RandK masks per worker, each of k coordinates scaled by d / k
             k = max(1, round(self.fraction * d))
             draws = jax.random.uniform(key, (num, max(int(m.max()), 1), d))
-            kept = jax.nn.one_hot(jax.lax.top_k(draws, k)[1], d, dtype=jnp.float32).sum(axis=-2)  # [M, m_max, d]
+            # [M, m_max, d]: each message's k coordinates, scattered (a one-hot of the k indices would be k x d each)
+            mark = lambda index: jnp.zeros((d,), jnp.float32).at[index].set(1.0)
+            kept = jax.vmap(jax.vmap(mark))(jax.lax.top_k(draws, k)[1])
             used = (jnp.arange(kept.shape[1])[None, :] < jnp.asarray(m)[:, None]).astype(jnp.float32)
             counts = (kept * used[:, :, None]).sum(axis=1) * (d / k)
         step = (jnp.asarray(self.weights)[:, None] * counts * sums).sum(axis=0)

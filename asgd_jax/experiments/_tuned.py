@@ -13,6 +13,17 @@ LR_GRID = (0.125, 0.25, 0.5, 1.0)
 """The learning-rate grid, as multiples of the settings' learning rate (the largest)."""
 
 
+def mnist1d(quick: bool, workers: tuple[int, ...], **more: Any) -> Settings:
+    """The settings of a tuned study on MNIST-1D's MLP: the quick form (5 seeds, 10 epochs) or the full (10 seeds, 30
+    epochs), at the learning rate the grid scales (0.4) and ``workers``; ``more`` adds fields (a target error)."""
+    form = (
+        dict(seeds=(0, 1, 2, 3, 4), epochs=10.0, evals=8, window=100)
+        if quick
+        else dict(seeds=tuple(range(10)), epochs=30.0, evals=20)
+    )
+    return Settings(dataset="mnist1d", learning_rate=0.4, workers=workers, **form, **more)
+
+
 def lrs(s: Settings, scale: float = 1.0) -> list[float]:
     """The grid's learning rates, ``scale`` times the settings' (a rule averaging several gradients takes more)."""
     return [round(scale * f * s.learning_rate, 6) for f in LR_GRID]

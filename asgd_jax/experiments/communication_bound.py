@@ -22,7 +22,7 @@ Expected:  on the links every rule needs several times the free-message time; ov
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.experiments._tuned import lrs as _lrs
-from asgd_jax.experiments._tuned import tuned
+from asgd_jax.experiments._tuned import mnist1d, tuned
 from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Table, Tuning
 
@@ -59,17 +59,8 @@ STUDY = Study(
     name="communication_bound",
     title="Communication that costs time",
     reproduces=__doc__,
-    quick=Settings(
-        dataset="mnist1d",
-        seeds=(0, 1, 2, 3, 4),
-        epochs=10.0,
-        learning_rate=0.4,
-        evals=8,
-        window=100,
-        workers=WORKERS,
-        target_error=0.5,
-    ),
-    full=Settings(dataset="mnist1d", seeds=(0, 1, 2, 3, 4), epochs=30.0, learning_rate=0.4, evals=20, workers=WORKERS),
+    quick=mnist1d(True, WORKERS, target_error=0.5),
+    full=mnist1d(False, WORKERS),
     arms=arms,
     table=Table(
         "label", "M", facet="messages", metric="time_to_target", also=("test_error",), equal_time=True, curves_x=()

@@ -26,7 +26,7 @@ Expected:  by the 2024-2026 papers, under the Dirichlet partition the rules that
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
 from asgd_jax.experiments._tuned import lrs as _lrs
-from asgd_jax.experiments._tuned import sequential_reference, tuned
+from asgd_jax.experiments._tuned import mnist1d, sequential_reference, tuned
 from asgd_jax.plan import Plan
 from asgd_jax.studies import Arm, Settings, Study, Table, Tuning
 
@@ -84,16 +84,8 @@ STUDY = Study(
     name="heterogeneous_data",
     title="Heterogeneous data: final test error",
     reproduces=__doc__,
-    quick=Settings(
-        dataset="mnist1d",
-        seeds=(0, 1, 2, 3, 4),
-        epochs=10.0,
-        learning_rate=0.4,
-        evals=8,
-        window=100,
-        workers=WORKERS,
-    ),
-    full=Settings(dataset="mnist1d", seeds=tuple(range(10)), epochs=30.0, learning_rate=0.4, evals=20, workers=WORKERS),
+    quick=mnist1d(True, WORKERS),
+    full=mnist1d(False, WORKERS),
     arms=arms,
     table=Table("label", "M", facet="data", metric="test_error", curves_x=()),
     tuning=Tuning(over=("lr",), widen=1),

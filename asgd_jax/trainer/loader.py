@@ -104,8 +104,9 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
                 shard = jax.device_get(shards)[self.worker]  # explicit device -> host copy, then index on the host
             else:  # a fixed partition: the epoch's minibatches of this worker's own examples, in the simulator's order
                 args = jax.device_put((self.assignment, np.int32(self.worker)), cpu)
-                rows = _partition_epoch(data_key, *args, epoch_arr, self.batch_size, self.per_epoch)
-                shard = jax.device_get(rows).reshape(-1)
+                most = int(np.max(self.assignment.sizes)) // self.batch_size  # (every worker's program: one shape)
+                rows = _partition_epoch(data_key, *args, epoch_arr, self.batch_size, most)
+                shard = jax.device_get(rows)[: self.per_epoch].reshape(-1)
             self._cache = (epoch, shard)
         return shard[k * self.batch_size : (k + 1) * self.batch_size]
 
@@ -160,10 +161,12 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         self.close()
 
 
-@functools.partial(jax.jit, static_argnames=("batch_size", "per_epoch"))
-def _partition_epoch(data_key, assignment, worker, epoch, batch_size: int, per_epoch: int):
-    """A worker's minibatches of epoch ``epoch`` under a fixed partition, ``[per_epoch, batch]``: the simulator's
-    (:func:`asgd_jax.partition.batch_indices`)."""
-    taken = epoch * per_epoch + jnp.arange(per_epoch, dtype=jnp.int32)
-    workers = jnp.full((per_epoch,), worker, jnp.int32)
+@functools.partial(jax.jit, static_argnames=("batch_size", "rows"))
+def _partition_epoch(data_key, assignment, worker, epoch, batch_size: int, rows: int):
+    """A worker's minibatches of epoch ``epoch`` under a fixed partition, the simulator's
+    (:func:`asgd_jax.partition.batch_indices`): ``[rows, batch]`` for ``rows`` at least the worker's minibatches an
+    epoch (the first of them are its epoch; one program for every worker, whatever its share)."""
+    per_epoch = assignment.sizes[worker] // batch_size
+    taken = epoch * per_epoch + jnp.arange(rows, dtype=jnp.int32)
+    workers = jnp.full((rows,), worker, jnp.int32)
     return partition.batch_indices(order.key_words(data_key), assignment, batch_size, workers, taken)
