@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.compiles import compilations
 from helpers.problems import DATA, W0, lsq_loss, simulate_clean, train_config
 
 import asgd_jax
@@ -96,6 +97,19 @@ def test_a_worker_on_the_stores_device_is_computed_by_the_store_and_trains_the_s
     assert handed.workers[0].exchange > 0.0
     # The push that found the store closed: computed, its period never ran (no loss); handed over, it had.
     assert (len(computed.workers[0].losses), len(handed.workers[0].losses)) == (30, 31)
+
+
+@pytest.mark.parametrize("store_device", ["cpu", "cpu:1"])
+def test_workers_that_share_a_device_share_its_compilation(tmp_path, store_device):
+    # Four workers on cpu:0: one exchange-period program for all of them, compiled before the run's clock (each
+    # compiled its own on its first push, on the clock: 8 workers on one GPU ran at 0.15x a plain loop); with the
+    # store there too, one program of their computed pushes.
+    config = TrainConfig(Plan(4, num_updates=24, batch_size=4), seed=3, out=str(tmp_path), store_device=store_device)
+    with compilations() as counts:
+        result = train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config, devices=jax.devices()[:1])
+    assert result.pushes_applied == 24 and {w.pushes > 0 for w in result.workers} == {True}
+    programs = {"cpu": {"computed": 1}, "cpu:1": {"run": 1}}[store_device]
+    assert {name: counts[name] for name in programs} == programs
 
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])

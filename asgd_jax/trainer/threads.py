@@ -67,8 +67,9 @@ def run(
     ]
     # A worker on the store's own device: the store computes its pushes (its period and the exchange, one program).
     on_store = lambda w: the_store.pipelined and groups[w % len(groups)] == [the_store.device]
+    shared: dict = {}  # one exchange-period function for all: one compilation per device group
     workers = [
-        Worker(dataclasses.replace(s, computed=on_store(w)), endpoint, loss, data, groups[w % len(groups)])
+        Worker(dataclasses.replace(s, computed=on_store(w)), endpoint, loss, data, groups[w % len(groups)], shared)
         for w, s in enumerate(setups)
     ]
     backend = _Threads(endpoint, workers)

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, SupportsFloat, SupportsInt, cast
 
 import jax
@@ -240,15 +240,32 @@ class Worker:
       loss: the run's :class:`asgd_jax.loss_lib.Loss`.
       data: the training data (host arrays); the worker reads its own shard.
       devices: its device group (its minibatch is split over them, the gradients averaged).
+      shared: the exchange-period functions of the workers of this process, by how they loop (filled here): one
+        jitted function for all of them, so workers on one device compile it once.
     """
 
-    def __init__(self, setup: WorkerSetup, link: StoreLink, loss: loss_lib.Loss, data: Any, devices: list):
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        link: StoreLink,
+        loss: loss_lib.Loss,
+        data: Any,
+        devices: list,
+        shared: dict[str, Callable] | None = None,
+    ):
         self.setup, self.link, self.data = setup, link, data
         ex = setup.exchange
         # XLA:CPU runs a lax.scan's convolutions several times slower than a step compiled alone: there, the local
         # steps are programs of their own; an accelerator runs the whole period as one.
         loop = "steps" if devices[0].platform == "cpu" else "scan"
-        self.work = exchange.worker_function(loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop)
+        # One function for the workers of a process (``shared``: theirs, by loop): the worker's id is an argument, so
+        # workers that share a device share its compilation too (and the store's program of their computed pushes).
+        shared = {} if shared is None else shared
+        if loop not in shared:
+            shared[loop] = exchange.worker_function(
+                loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop
+            )
+        self.work = shared[loop]
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
         one_program = loop == "scan" or ex.n_sync == 1
         self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None

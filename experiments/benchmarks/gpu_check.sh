@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared script (under 10 minutes on one GPU): the simulator against the plain-JAX floor at the
-# cnn, a sweep's runs x updates/s on one and on every GPU with the staleness leaderboard's full form in hours, and the
-# trainer's scaling: 1, 2, 4 and 8 workers (one per GPU; ResNet-20 and the convnet at batch 128) beside one GPU's
-# plain jitted step, the store's state on the host and on a GPU, with each store's ceiling in pushes/s against that
-# step rate (GPU A-SGD's headline is 3.2x on 8 GPUs: the trainer can show it only where the ceiling allows it). Run from the repository root on the GPU machine:
+# The GPU check, one prepared script (about 7 minutes on one H200): the trainer's throughput with 1, 2, 4 and 8
+# workers beside one GPU's plain jitted step (ResNet-20 and the convnet at batch 128), the store's state on the host
+# and on the GPU, with each store's ceiling in pushes/s against that step rate (GPU A-SGD's headline is 3.2x on 8
+# GPUs: the trainer can show it only where the ceiling allows it); then the simulator against the plain-JAX floor.
+# Workers beyond the machine's GPUs share them (worker w on GPU w mod D): on one GPU, x2..x8 measure the store and the
+# host's threads against one GPU's work. Run from the repository root on the GPU machine:
 #   bash experiments/benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
-# It installs nothing: the environment needs asgd_jax and JAX's CUDA build (pip install -e . "jax[cuda12]").
+# It installs nothing: the environment needs asgd_jax (or PYTHONPATH=.) and JAX's CUDA build; PYTHON=python3 to use
+# another interpreter than .venv's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
-echo "== simulator vs floor (cnn, W)"; timeout 150 $PY experiments/benchmarks/simulator_overhead.py --quick --only cnn W --scale 2
-echo "== sweep throughput and the leaderboard's hours"; timeout 150 $PY experiments/benchmarks/sweep_throughput.py --quick
-echo "== trainer scaling"; timeout 280 $PY experiments/benchmarks/trainer_throughput.py --quick \
-  --models resnet20 convnet --batch 128 --workers 1 2 4 8 --store-devices cpu gpu
+echo "== trainer: ResNet-20"; timeout 220 $PY experiments/benchmarks/trainer_throughput.py --models resnet20 \
+  --batch 128 --steps 300 --workers 1 2 4 8 --store-devices cpu gpu
+echo "== trainer: convnet"; timeout 120 $PY experiments/benchmarks/trainer_throughput.py --models convnet \
+  --batch 128 --steps 100 --workers 1 8 --store-devices cpu gpu
+echo "== simulator vs floor (cnn, W)"; timeout 100 $PY experiments/benchmarks/simulator_overhead.py --quick \
+  --only cnn W --scale 2
