@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W1, BatchOrder, lsq_loss, simulate_clean, simulate_lsq
-from helpers.reference import lsq_grad
+from helpers.problems import DATA, PUSH_ORDER, W1, lsq_loss, replay_order, simulate_clean, simulate_lsq
 
 import asgd_jax
 from asgd_jax import delays, rules, server
@@ -21,17 +20,8 @@ from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 
 LR = 0.05
-ORDER = np.random.default_rng(4).integers(0, 3, size=60)
-
-
-def _replay(push, pull, order=ORDER, num=3):
-    """Runs the reference: worker m computes at what it was sent, on its next minibatch, pushes, then pulls."""
-    batches = BatchOrder(0, num_shards=num)
-    sent = {m: pull(m) for m in range(num)}
-    for worker in order:
-        a, y = batches.next(int(worker))
-        push(int(worker), lsq_grad(sent[int(worker)], a, y), sent[int(worker)])
-        sent[int(worker)] = pull(int(worker))
+ORDER = PUSH_ORDER
+_replay = replay_order
 
 
 class GapAwareRef:

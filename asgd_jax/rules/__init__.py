@@ -33,6 +33,8 @@ of the most used. Import from here (``asgd_jax.rules.gap_aware``), not from the 
 - ``malenia``: Malenia SGD (Tyurin & Richtárik, NeurIPS 2023, for heterogeneous data; on ``delays.Malenia``):
   ``scale_by_malenia``, ``malenia_sgd``.
 - ``ringleader``: Ringleader ASGD (Maranjyan & Richtárik, ICLR 2026): ``scale_by_ringleader``, ``ringleader_asgd``.
+- ``fadas``: FADAS (Wang et al., ICML 2024; asynchronous AMSGrad over a buffer of deltas): ``fadas``.
+- ``cgad``: CGAD (Shah & Sun 2026; Adam on age-scaled deltas): ``scale_by_age``, ``cgad``.
 - ``combinators``: rules of rules: ``weight_decayed``, ``one_of``, and ``chained_before`` (a transform before a rule,
   its pull kept).
 - ``compressors``: compressors of the pushed payload, chained before a rule with ``compressed``: ``rand_k``,
@@ -51,6 +53,7 @@ all rules share; and add one test family against the paper's definition (as ``te
 
 from asgd_jax.rules.async_local_sgd import DelayedNesterovState, delayed_nesterov
 from asgd_jax.rules.async_sgd import asgd
+from asgd_jax.rules.cgad import cgad, scale_by_age
 from asgd_jax.rules.combinators import chained_before, one_of, weight_decayed
 from asgd_jax.rules.common import PullRule
 from asgd_jax.rules.common import ScalarOrSchedule as ScalarOrSchedule  # importable here as before the split
@@ -59,6 +62,7 @@ from asgd_jax.rules.delay_adaptive import delay_adaptive_sgd, scale_by_delay_ada
 from asgd_jax.rules.delay_compensation import ScaleByDelayCompensationState, dc_asgd, scale_by_delay_compensation
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
 from asgd_jax.rules.drop_stale_gradient import drop_stale
+from asgd_jax.rules.fadas import FadasState, fadas
 from asgd_jax.rules.gap_aware_mitigation import GapAwareState, gap_aware
 from asgd_jax.rules.incremental_aggregation import (
     IncrementalAggregationState,
@@ -76,6 +80,7 @@ __all__ = [
     "CompressorState",
     "DanaState",
     "DelayedNesterovState",
+    "FadasState",
     "GapAwareState",
     "IncrementalAggregationState",
     "MaleniaState",
@@ -83,6 +88,7 @@ __all__ = [
     "PullRule",
     "ScaleByDelayCompensationState",
     "asgd",
+    "cgad",
     "chained_before",
     "compressed",
     "dc_asgd",
@@ -91,6 +97,7 @@ __all__ = [
     "dana",
     "delayed_nesterov",
     "drop_stale",
+    "fadas",
     "fingerprint",
     "gap_aware",
     "get",
@@ -102,6 +109,7 @@ __all__ = [
     "one_of",
     "qsgd",
     "rand_k",
+    "scale_by_age",
     "register",
     "required",
     "scale_by_delay_adaptive",

@@ -21,11 +21,13 @@ from asgd_jax import errors
 from asgd_jax.recipes import recipe
 from asgd_jax.rules.async_local_sgd import delayed_nesterov
 from asgd_jax.rules.async_sgd import asgd
+from asgd_jax.rules.cgad import cgad
 from asgd_jax.rules.common import ScalarOrSchedule
 from asgd_jax.rules.compressors import compressed, rand_k, top_k
 from asgd_jax.rules.delay_adaptive import delay_adaptive_sgd
 from asgd_jax.rules.delay_compensation import dc_asgd
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
+from asgd_jax.rules.fadas import fadas
 from asgd_jax.rules.gap_aware_mitigation import gap_aware
 from asgd_jax.rules.incremental_aggregation import ia2sgd
 from asgd_jax.rules.malenia import malenia_sgd
@@ -101,6 +103,8 @@ RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
     "delay_threshold": delay_threshold_sgd,
     "gap_aware": gap_aware,
     "delayed_nesterov": delayed_nesterov,
+    "fadas": fadas,
+    "cgad": cgad,
     "dana": dana,
     "ia2sgd": ia2sgd,
     "malenia": malenia_sgd,

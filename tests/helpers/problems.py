@@ -10,6 +10,7 @@ import numpy as np
 
 import asgd_jax
 from asgd_jax.simulator import shard_indices
+from helpers.reference import lsq_grad
 
 N, DIM, B = 96, 4, 8
 _rng = np.random.default_rng(0)
@@ -116,3 +117,18 @@ class SlowColumn:
     def __array__(self, dtype=None, copy=None):
         time.sleep(self.DELAY)
         return self.array if dtype is None else self.array.astype(dtype)
+
+
+PUSH_ORDER = np.random.default_rng(4).integers(0, 3, size=60)  # a recorded order of pushes by 3 workers
+
+
+def replay_order(push, pull, order=PUSH_ORDER, num=3):
+    """Runs a NumPy reference server over ``order`` on the noisy problem, as ``simulate_lsq`` over
+    ``delays.Trace(order, num=num)`` runs: worker m computes at what it was sent, on its next minibatch, pushes, then
+    pulls. ``push(worker, gradient, sent)`` and ``pull(worker) -> weights`` are the reference's."""
+    batches = BatchOrder(0, num_shards=num)
+    sent = {m: pull(m) for m in range(num)}
+    for worker in order:
+        a, y = batches.next(int(worker))
+        push(int(worker), lsq_grad(sent[int(worker)], a, y), sent[int(worker)])
+        sent[int(worker)] = pull(int(worker))
