@@ -7,8 +7,11 @@ images) reads a dataset that ``asgd-jax data prepare <name> --data-dir DIR`` pre
 ``tfds.data_source`` (random access on array_record files, no TensorFlow needed). Nothing is ever downloaded
 implicitly: an unprepared dataset fails within seconds with the command that prepares it.
 
-Every dataset comes back as a :class:`Dataset` of float32 inputs with a channel axis (standardised per channel with
-training-split statistics) and int32 labels.
+Every image or signal dataset comes back as a :class:`Dataset` of float32 inputs with a channel axis (standardised
+per channel with training-split statistics) and int32 labels. ``load("grammar")`` is a language-modelling task made
+offline: character windows of sentences drawn from a small probabilistic grammar of English (:func:`grammar_text`),
+int32 character ids in and the next character of every position as the labels ``[n, length]``; a model's loss and
+error are then per character, and ``exp(loss)`` its perplexity.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from asgd_jax import cache, errors
 
 __all__ = [
     "EMBEDDED",
+    "GRAMMAR_ALPHABET",
     "Dataset",
     "DatasetNotPrepared",
     "check_network",
     "clear_cache",
+    "grammar_text",
     "load",
     "prepare",
     "tfds_source",
@@ -52,7 +57,8 @@ class Dataset:
 
     Attributes:
       name: the name it was loaded by.
-      x_train, y_train: training inputs ``[n, *input_shape]`` (float32) and labels ``[n]`` (int32).
+      x_train, y_train: training inputs ``[n, *input_shape]`` (float32; int32 token ids for a language task) and
+        labels ``[n]`` (int32; ``[n, length]``, the next token of every position, for a language task).
       x_test, y_test: held-out inputs and labels.
       num_classes: number of classes.
     """
@@ -190,7 +196,69 @@ def _mnist1d(seed: int) -> Dataset:
     )
 
 
-EMBEDDED: dict[str, Callable[[int], Dataset]] = {"digits": _digits, "mnist1d": _mnist1d}
+def _words(spec: str) -> list[tuple[float, tuple[str, ...]]]:
+    """``"cat:5 dog:4"`` as a grammar rule's weighted one-word expansions."""
+    return [(float(w), (word,)) for word, w in (item.split(":") for item in spec.split())]
+
+
+# A probabilistic grammar of simple English sentences: nonterminal -> [(weight, expansion)], lower-case words.
+_GRAMMAR: dict[str, list[tuple[float, tuple[str, ...]]]] = {
+    "S": [(0.7, ("NP", "VP")), (0.2, ("NP", "VP", "CONJ", "NP", "VP")), (0.1, ("ADV", "NP", "VP"))],
+    "NP": [(0.45, ("DET", "N")), (0.25, ("DET", "ADJ", "N")), (0.15, ("DET", "N", "PP")), (0.15, ("NAME",))],
+    "VP": [(0.45, ("V", "NP")), (0.2, ("V",)), (0.2, ("V", "NP", "PP")), (0.15, ("V", "ADV"))],
+    "PP": [(1.0, ("P", "NP"))],
+    "DET": [(0.4, ("the",)), (0.25, ("a",)), (0.15, ("every",)), (0.1, ("some",)), (0.1, ("no",))],
+    "N": _words("cat:5 dog:4 bird:3 child:3 teacher:2 river:2 garden:2 house:1 song:1 letter:1"),
+    "ADJ": _words("small:1 old:1 bright:1 quiet:1 red:1 happy:1"),
+    "V": _words("sees:4 likes:3 finds:3 chases:2 writes:2 sings:1 builds:1 remembers:1"),
+    "P": _words("near:1 under:1 behind:1 with:1"),
+    "NAME": _words("alice:1 bob:1 carol:1"),
+    "ADV": _words("often:1 rarely:1 quietly:1 today:1"),
+    "CONJ": [(0.6, ("and",)), (0.4, ("but",))],
+}
+GRAMMAR_ALPHABET = " .abcdefghijklmnopqrstuvwxyz"  # index 0 is the space
+
+
+def grammar_text(num_chars: int, seed: int) -> str:
+    """At least ``num_chars`` characters of sentences drawn from the grammar with NumPy's generator ``seed``."""
+    rng = np.random.default_rng(seed)
+    choices = {k: (np.cumsum([w for w, _ in v]) / sum(w for w, _ in v), [e for _, e in v]) for k, v in _GRAMMAR.items()}
+    words: list[str] = []
+    length = -1  # the joined text's: each sentence adds itself and the space before it
+    while length < num_chars:
+        stack = ["S"]
+        sentence: list[str] = []
+        while stack:
+            symbol = stack.pop()
+            if symbol not in choices:
+                sentence.append(symbol)
+                continue
+            cdf, expansions = choices[symbol]
+            stack.extend(reversed(expansions[int(np.searchsorted(cdf, rng.random(), side="right"))]))
+        words.append(" ".join(sentence) + ".")
+        length += len(words[-1]) + 1
+    return " ".join(words)
+
+
+@functools.cache
+def _grammar(seed: int, seq_len: int = 64, train: int = 4096, test: int = 512) -> Dataset:
+    """Sequences of ``seq_len`` characters cut from a stream of grammar sentences, the target the next character."""
+    table = np.full(128, -1, np.int32)
+    table[[ord(c) for c in GRAMMAR_ALPHABET]] = np.arange(len(GRAMMAR_ALPHABET))
+
+    def windows(count: int, stream_seed: int):
+        text = grammar_text(count * seq_len + 1, stream_seed)
+        ids = table[np.frombuffer(text.encode("ascii"), np.uint8)][: count * seq_len + 1]
+        x = ids[:-1].reshape(count, seq_len)
+        y = ids[1:].reshape(count, seq_len)
+        return x, y
+
+    x_tr, y_tr = windows(train, 2 * seed)
+    x_te, y_te = windows(test, 2 * seed + 1)
+    return Dataset("grammar", x_tr, y_tr, x_te, y_te, num_classes=len(GRAMMAR_ALPHABET))
+
+
+EMBEDDED: dict[str, Callable[[int], Dataset]] = {"digits": _digits, "mnist1d": _mnist1d, "grammar": _grammar}
 """The datasets that ship with the install and need no network."""
 
 
@@ -302,7 +370,7 @@ def _tfds_dataset(name: str, data_dir: str, train_split: str, test_split: str) -
 
 def clear_cache() -> None:
     """Forgets every dataset :func:`load` has cached, so the next call reads (or generates) it afresh."""
-    for cached in (_digits, _mnist1d, _tfds_dataset):
+    for cached in (_digits, _mnist1d, _grammar, _tfds_dataset):
         cached.cache_clear()
 
 
@@ -317,7 +385,9 @@ def load(
     """Loads a dataset by name, fully into host memory.
 
     Args:
-      name: ``"digits"`` (8x8 images, 1,438 train / 359 test), ``"mnist1d"`` (length-40 signals, 4,000 / 1,000), or
+      name: ``"digits"`` (8x8 images, 1,438 train / 359 test), ``"mnist1d"`` (length-40 signals, 4,000 / 1,000),
+        ``"grammar"`` (language modelling: 64-character windows of sentences from a probabilistic grammar, the label
+        of each position the next character; 4,096 / 512, a vocabulary of 28), or
         ``"tfds:<name>[:<config>]"`` for a prepared TFDS dataset of fixed-size images (``tfds:cifar10``,
         ``tfds:mnist``, ``tfds:fashion_mnist``).
       seed: selects the train/test split (digits) or the generated sample (mnist1d); 0 is the reference.

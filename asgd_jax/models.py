@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -28,13 +29,16 @@ __all__ = [
     "MODELS",
     "Evaluation",
     "Model",
+    "NNX_MODELS",
     "NnxModel",
+    "Transformer",
     "accuracy",
     "classification_eval",
     "classification_loss",
     "cross_entropy",
     "from_nnx",
     "get",
+    "names",
 ]
 
 Params = Any
@@ -180,6 +184,48 @@ XLA's older fusion emitters compile it 2-3x faster (the cnn 0.5 s instead of 1.2
 3.6 s, ResNet-50 5.2 s instead of 6.9 s) to the same weights, bit for bit (``tests/test_compile.py`` pins every
 built-in model against XLA's defaults; level 0 would change them). Every other program keeps XLA's defaults:
 ``experiments/benchmarks/README.md`` says what these options would change there."""
+
+
+class Transformer(nnx.Module):
+    """A small decoder-only transformer for character- or token-level language modelling: token and learned position
+    embeddings, ``depth`` pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP (4x wide), a final
+    LayerNorm and a linear head to ``num_classes`` logits per position (the vocabulary)."""
+
+    def __init__(
+        self, num_classes: int, seq_len: int, *, width: int = 64, depth: int = 2, heads: int = 4, rngs: nnx.Rngs
+    ):
+        self.check(seq_len, width=width, depth=depth, heads=heads)
+        self.embed = nnx.Embed(num_classes, width, rngs=rngs)
+        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, width)))
+        self.blocks = nnx.List([_Block(width, heads, rngs) for _ in range(depth)])
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.head = nnx.Linear(width, num_classes, rngs=rngs)
+
+    @staticmethod
+    def check(seq_len: int, *, width: int = 64, depth: int = 2, heads: int = 4) -> None:
+        """Refuses (a ``ConfigError`` naming the value) a size that cannot build the model."""
+        for name, value in (("seq_len", seq_len), ("width", width), ("depth", depth), ("heads", heads)):
+            errors.int_at_least(name, value, 1)
+        errors.require(width % heads == 0, "width", width, f"use a multiple of heads={heads}", "--model-options")
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        length = tokens.shape[-1]
+        h = self.embed(tokens) + self.position[None, :length]
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(self.norm(h))
+
+
+class _Block(nnx.Module):
+    def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
+        self.norm1, self.norm2 = nnx.LayerNorm(width, rngs=rngs), nnx.LayerNorm(width, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(heads, width, decode=False, rngs=rngs)
+        self.up, self.down = nnx.Linear(width, 4 * width, rngs=rngs), nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
+        h = h + self.attention(self.norm1(h), mask=mask)
+        return h + self.down(jax.nn.gelu(self.up(self.norm2(h))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,9 +401,22 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 """Model constructors by name; each takes ``num_classes`` and its own keyword options."""
 
+NNX_MODELS: dict[str, type[Transformer]] = {"transformer": Transformer}
+"""Flax NNX models by name (:class:`NnxModel`): each takes ``num_classes``, the sequence length (the input shape's
+first axis) and its own keyword options."""
+
+
+def names() -> list[str]:
+    """Every model :func:`get` builds by name (the linen ones, then the NNX ones)."""
+    return [*MODELS, *NNX_MODELS]
+
 
 def options_of(name: str) -> tuple[str, ...]:
-    """The options a model by name takes (its module's fields, and ``dtype``), for :func:`get` and its checks."""
+    """The options a model by name takes (its module's fields, and ``dtype``; an NNX model's keyword arguments), for
+    :func:`get` and its checks."""
+    if name in NNX_MODELS:
+        signature = inspect.signature(NNX_MODELS[name].__init__)
+        return tuple(p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY and p.name != "rngs")
     module = MODELS[name]
     fields = [f.name for f in dataclasses.fields(module) if f.init and f.name not in ("parent", "name", "num_classes")]
     return (*fields, "dtype")
@@ -379,12 +438,14 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
     """Builds a model by name.
 
     Args:
-      name: ``"mlp"``, ``"cnn"``, ``"resnet20"`` (CIFAR, 0.27M parameters), ``"resnet50"`` (ImageNet, 25.6M) or
-        ``"convnet"`` (cuda-convnet style, for GPU A-SGD).
+      name: ``"mlp"``, ``"cnn"``, ``"resnet20"`` (CIFAR, 0.27M parameters), ``"resnet50"`` (ImageNet, 25.6M),
+        ``"convnet"`` (cuda-convnet style, for GPU A-SGD) or ``"transformer"`` (a decoder-only language model, flax
+        NNX: ``num_classes`` is the vocabulary, ``input_shape`` ``(sequence length,)`` of token ids).
       num_classes: number of classes (> 1).
       input_shape: shape of one example, channels last: ``(8, 8, 1)`` for digits, ``(40, 1)`` for mnist1d.
       **options: forwarded to the module (``hidden=`` for ``mlp``; ``features=``, ``hidden=`` for ``cnn``;
-        ``blocks_per_stage=`` for ``resnet20``; ``width=``, ``stem_stride=``, ``dropout=`` for ``convnet``), except
+        ``blocks_per_stage=`` for ``resnet20``; ``width=``, ``stem_stride=``, ``dropout=`` for ``convnet``;
+        ``width=``, ``depth=``, ``heads=`` for ``transformer``), except
         ``dtype="bfloat16"``: the model computes in bf16 with float32 weights (:class:`Model`).
 
     Returns:
@@ -398,8 +459,9 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
       >>> logits.shape
       (5, 10)
     """
-    if name not in MODELS:
-        raise errors.ConfigError(f"Unknown model {name!r}. Known models: {', '.join(sorted(MODELS))}.")
+    if name not in MODELS and name not in NNX_MODELS:
+        known = ", ".join(sorted(names()))
+        raise errors.ConfigError(f"Unknown model {name!r}. Known models: {known}.")
     if not isinstance(num_classes, int) or num_classes < 2:
         raise errors.ConfigError(f"num_classes={num_classes!r} is invalid: use an int >= 2.")
     input_shape = tuple(int(d) for d in input_shape)
@@ -416,9 +478,30 @@ def get(name: str, *, num_classes: int, input_shape: Sequence[int], **options: A
             f"input_shape={input_shape!r} does not fit {name!r}: it takes (height, width, channels)."
         )
     check_options(name, options)
+    if name in NNX_MODELS and len(input_shape) != 1:
+        raise errors.ConfigError(
+            f"input_shape={input_shape!r} does not fit {name!r}: it takes (sequence length,) of token ids."
+        )
+    if name in NNX_MODELS:
+        NNX_MODELS[name].check(input_shape[0], **options)
+        factory = _NnxFactory(NNX_MODELS[name], num_classes, input_shape[0], tuple(sorted(options.items())))
+        return NnxModel(name, factory, input_shape, num_classes)
     dtype = options.pop("dtype", "float32")
     errors.choice("dtype", dtype, ("float32", "bfloat16"), "--dtype")
     return Model(name, MODELS[name](num_classes=num_classes, **options), input_shape, num_classes, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NnxFactory:
+    """``factory(rngs)`` of an NNX model by name: a value, so that the same model made twice keys one program."""
+
+    module: type[nnx.Module]
+    num_classes: int
+    seq_len: int
+    options: tuple[tuple[str, Any], ...]
+
+    def __call__(self, rngs: nnx.Rngs) -> nnx.Module:
+        return self.module(self.num_classes, self.seq_len, rngs=rngs, **dict(self.options))
 
 
 def check_labels(data: Any, num_classes: int) -> None:
@@ -543,7 +626,8 @@ def classification_eval(
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
-    """:func:`classification_eval`'s ``eval_fn``: ``evaluation(params, model_state) -> {"loss", "error"}``.
+    """:func:`classification_eval`'s ``eval_fn``: ``evaluation(params, model_state) -> {"loss", "error"}`` (and
+    ``"perplexity"`` for a language model: labels ``[n, length]``, the loss and error per token).
 
     Its data is apart from its function (:meth:`evaluate` takes it as an argument), so an engine passes the held-out
     split to its compiled program as an argument rather than baking it in as a constant; two evaluations of equal
@@ -577,10 +661,14 @@ class Evaluation:
         size = min(self.batch_size, n)
         full = n // size
         xs = x[: full * size].reshape(full, size, *x.shape[1:])
-        ys = y[: full * size].reshape(full, size)
+        ys = y[: full * size].reshape(full, size, *y.shape[1:])
         loss, wrong = jax.lax.map(lambda b: self._sums(params, model_state, *b), (xs, ys))
         loss, wrong = loss.sum(), wrong.sum()
         if full * size < n:
             rest_loss, rest_wrong = self._sums(params, model_state, x[full * size :], y[full * size :])
             loss, wrong = loss + rest_loss, wrong + rest_wrong
-        return {"loss": loss / n, "error": wrong.astype(jnp.float32) / n}
+        # Per label: per example for classification, per token for a language model (labels [n, length]), whose
+        # perplexity is exp(loss per token).
+        count = y.size
+        metrics = {"loss": loss / count, "error": wrong.astype(jnp.float32) / count}
+        return metrics if y.ndim == 1 else {**metrics, "perplexity": jnp.exp(metrics["loss"])}

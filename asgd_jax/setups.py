@@ -118,7 +118,7 @@ class Setup:
         )
         from asgd_jax import models
 
-        if self.model in models.MODELS:  # (an unknown name is refused where the model is built, naming the known)
+        if self.model in models.names():  # (an unknown name is refused where the model is built, naming the known)
             models.check_options(self.model, self.model_options)
         errors.choice("dtype", self.dtype, DTYPES, "--dtype")
         errors.positive_int("batch_size", self.batch_size, "--batch-size")

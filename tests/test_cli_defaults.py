@@ -92,7 +92,7 @@ def test_asgd_jax_ablate_with_no_flags_is_the_ablate_form():
 # Every flag that offers choices, and the library's list it must offer.
 CHOICES = {
     ("train", "rule"): rules.names(),
-    ("train", "model"): list(models.MODELS),
+    ("train", "model"): models.names(),
     ("train", "dtype"): list(setups.DTYPES),
     ("train", "schedule"): list(setups.SCHEDULES),
     ("train", "unit"): list(setups.UNITS),
@@ -102,7 +102,7 @@ CHOICES = {
     ("train", "on_worker_failure"): list(FAILURE_POLICIES),
     ("train", "on_nonfinite"): list(NONFINITE_POLICIES),
     ("ablate", "compute_time"): list(delays.COMPUTE_TIME_KINDS),
-    ("ablate", "model"): list(models.MODELS),
+    ("ablate", "model"): models.names(),
     ("ablate", "algorithms"): ["sgd", "asgd", "ssgd", "dc_asgd_c", "dc_asgd_a"],  # DC-ASGD's Table 1
     ("run", "backend"): list(studies.BACKENDS),
 }

@@ -33,7 +33,7 @@ def add_ablate(sub) -> None:
     p.add_argument(
         "--data-dir", default=s.data_dir, help="TFDS data directory [$TFDS_DATA_DIR or ~/tensorflow_datasets]"
     )
-    p.add_argument("--model", default=s.model, choices=list(models.MODELS), help="the model, by name")
+    p.add_argument("--model", default=s.model, choices=models.names(), help="the model, by name")
     p.add_argument("--workers", nargs="+", default=list(map(str, s.workers)), help="worker counts, e.g. 1 4 8 or 1,4,8")
     p.add_argument(
         "--algorithms",

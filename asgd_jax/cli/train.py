@@ -120,7 +120,7 @@ def add_train(sub) -> None:
     a("--config", default=None, help="TOML or JSON file of flag values (e.g. workers = 4), or a shipped setup's name")
     a("--dataset", default=ds.dataset, help=dataset_help())
     a("--data-dir", default=ds.data_dir, help="TFDS data directory")
-    a("--model", default=ds.model, choices=list(models.MODELS), help="the model, by name")
+    a("--model", default=ds.model, choices=models.names(), help="the model, by name")
     a("--model-options", type=_table, default=ds.model_options, help="model options as JSON, e.g. '{\"width\": 0.25}'")
     a("--dtype", default=ds.dtype, choices=setups.DTYPES, help="bfloat16: compute in bf16, float32 weights")
     a("--rule", default="dc_asgd_a", choices=rules.names(), help="the server's update rule")
@@ -378,6 +378,8 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     summary = _add_args_to_summary(config.out, args)
     error = f"{100 * result.evals[-1]['error']:.2f}%" if result.evals else "n/a"
+    if result.evals and "perplexity" in result.evals[-1]:  # a language model: per token, and its perplexity
+        error += f" per token, perplexity {result.evals[-1]['perplexity']:.3f}"
     late = f", of which {result.pushes_late} arrived after the last update" if result.pushes_late else ""
     stopped = sum(w.stopped for w in result.workers)
     late += f", ignored {result.pushes_ignored} (too stale)" if result.pushes_ignored else ""
