@@ -27,6 +27,7 @@ of the most used. Import from here (``asgd_jax.rules.gap_aware``), not from the 
 - ``drop_stale_gradient``: TensorFlow's DropStaleGradientOptimizer: ``drop_stale``.
 - ``gap_aware_mitigation``: Gap-Aware (Barkai et al., ICLR 2020): ``gap_aware``.
 - ``async_local_sgd``: Delayed Nesterov (Liu et al. 2024): ``delayed_nesterov``.
+- ``diloco``: DiLoCo's outer Nesterov step (Douillard et al. 2023), synchronous or on every arrival: ``diloco``.
 - ``taming_momentum``: DANA (Hakimi et al. 2019), a :class:`PullRule`: ``dana``.
 - ``incremental_aggregation``: IA²SGD (Wang et al. 2024, for heterogeneous data): ``scale_by_incremental_aggregation``,
   ``ia2sgd``.
@@ -61,6 +62,7 @@ from asgd_jax.rules.compressors import CompressorState, compressed, qsgd, rand_k
 from asgd_jax.rules.delay_adaptive import delay_adaptive_sgd, scale_by_delay_adaptive
 from asgd_jax.rules.delay_compensation import ScaleByDelayCompensationState, dc_asgd, scale_by_delay_compensation
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
+from asgd_jax.rules.diloco import diloco
 from asgd_jax.rules.drop_stale_gradient import drop_stale
 from asgd_jax.rules.fadas import FadasState, fadas
 from asgd_jax.rules.gap_aware_mitigation import GapAwareState, gap_aware
@@ -96,6 +98,7 @@ __all__ = [
     "delay_threshold_sgd",
     "dana",
     "delayed_nesterov",
+    "diloco",
     "drop_stale",
     "fadas",
     "fingerprint",

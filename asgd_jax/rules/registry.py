@@ -27,6 +27,7 @@ from asgd_jax.rules.compressors import compressed, rand_k, top_k
 from asgd_jax.rules.delay_adaptive import delay_adaptive_sgd
 from asgd_jax.rules.delay_compensation import dc_asgd
 from asgd_jax.rules.delay_threshold import delay_threshold_sgd
+from asgd_jax.rules.diloco import diloco
 from asgd_jax.rules.fadas import fadas
 from asgd_jax.rules.gap_aware_mitigation import gap_aware
 from asgd_jax.rules.incremental_aggregation import ia2sgd
@@ -103,6 +104,7 @@ RULES: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
     "delay_threshold": delay_threshold_sgd,
     "gap_aware": gap_aware,
     "delayed_nesterov": delayed_nesterov,
+    "diloco": diloco,
     "fadas": fadas,
     "cgad": cgad,
     "dana": dana,
