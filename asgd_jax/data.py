@@ -34,6 +34,7 @@ from asgd_jax import cache, errors
 __all__ = [
     "EMBEDDED",
     "GRAMMAR_ALPHABET",
+    "TEXT_WINDOW",
     "Dataset",
     "DatasetNotPrepared",
     "check_network",
@@ -337,12 +338,46 @@ def _builder(tfds, full: str, data_dir: str):
         ) from None
 
 
-def _read_all(source, image_key: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+def _records(source) -> list:
     n = len(source)
     try:
-        records = source.__getitems__(list(range(n)))
+        return list(source.__getitems__(list(range(n))))
     except Exception:  # sources without batched reads (e.g. TFDS's mocks)
-        records = [source[i] for i in range(n)]
+        return [source[i] for i in range(n)]
+
+
+def _read_texts(source) -> str:
+    """A text split's examples joined by newlines (bytes read as UTF-8)."""
+    texts = (r["text"] for r in _records(source))
+    return "\n".join(t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t) for t in texts)
+
+
+TEXT_WINDOW = 64  # characters per example of a text corpus (the grammar's too)
+
+
+def _text_dataset(name: str, train: str, test: str, seq_len: int = TEXT_WINDOW) -> Dataset:
+    """A corpus as language modelling per character: windows of ``seq_len`` character ids cut from each split, the
+    label of every position the next character; the alphabet is the training split's characters, sorted, and one id
+    more for a character only the test split holds."""
+    alphabet = sorted(set(train))
+    ids = {c: i for i, c in enumerate(alphabet)}
+
+    def windows(text: str, split: str):
+        count = (len(text) - 1) // seq_len
+        errors.require(
+            count >= 1, "dataset", name, f"its {split} split has {len(text)} characters: fewer than one window of "
+            f"{seq_len + 1}"
+        )  # fmt: skip
+        stream = np.fromiter((ids.get(c, len(alphabet)) for c in text[: count * seq_len + 1]), np.int32)
+        return stream[:-1].reshape(count, seq_len), stream[1:].reshape(count, seq_len)
+
+    x_tr, y_tr = windows(train, "training")
+    x_te, y_te = windows(test, "test")
+    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=len(alphabet) + 1)
+
+
+def _read_all(source, image_key: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    records = _records(source)
     x = np.stack([np.asarray(r[image_key]) for r in records])
     y = np.asarray([int(r[label_key]) for r in records], np.int32)
     return x, y
@@ -353,6 +388,8 @@ def _tfds_dataset(name: str, data_dir: str, train_split: str, test_split: str) -
     train, info = tfds_source(name, train_split, data_dir=data_dir)
     test, _ = tfds_source(name, test_split, data_dir=data_dir)
     features = info.features
+    if set(features) == {"text"}:  # a text corpus (tiny_shakespeare, lm1b, ...): language modelling per character
+        return _text_dataset(name, _read_texts(train), _read_texts(test))
     image_key = "image" if "image" in features else next(iter(features))
     label_key = "label" if "label" in features else list(features)[-1]
     shape = getattr(features[image_key], "shape", None)
@@ -389,7 +426,10 @@ def load(
         ``"grammar"`` (language modelling: 64-character windows of sentences from a probabilistic grammar, the label
         of each position the next character; 4,096 / 512, a vocabulary of 28), or
         ``"tfds:<name>[:<config>]"`` for a prepared TFDS dataset of fixed-size images (``tfds:cifar10``,
-        ``tfds:mnist``, ``tfds:fashion_mnist``).
+        ``tfds:mnist``, ``tfds:fashion_mnist``) or of text (``tfds:tiny_shakespeare``, ``tfds:lm1b``: a dataset
+        whose one feature is ``text`` becomes language modelling per character, as ``"grammar"``: windows of
+        :data:`TEXT_WINDOW` character ids, the next character the label, the training split's characters the
+        alphabet).
       seed: selects the train/test split (digits) or the generated sample (mnist1d); 0 is the reference.
       data_dir: TFDS only: where the dataset was prepared (default ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
       train_split, test_split: TFDS only: the splits to read.

@@ -135,3 +135,24 @@ def schedule_boundaries(settings, num_updates):
     lr = studies.schedule(settings, num_updates)
     values = [float(lr(t)) for t in range(num_updates + 1)]
     return tuple(t for t in range(1, num_updates + 1) if values[t] < values[t - 1] * 0.5)
+
+
+@pytest.mark.parametrize("name", ["tfds:tiny_shakespeare", "tfds:lm1b"])
+def test_a_prepared_text_corpus_is_language_modelling_per_character(mocked, tmp_path, name):
+    # TFDS's mock text: short random strings, one per example; the splits are joined by newlines and cut in windows.
+    ds = data.load(name, data_dir=tmp_path)
+    source, _ = data.tfds_source(name, "train", data_dir=tmp_path)
+    text = "\n".join(str(source[i]["text"]) for i in range(len(source)))
+    alphabet = sorted(set(text))
+    assert ds.input_shape == (data.TEXT_WINDOW,) and ds.num_classes == len(alphabet) + 1
+    assert ds.x_train.dtype == ds.y_train.dtype == np.int32
+    assert len(ds.x_train) == (len(text) - 1) // data.TEXT_WINDOW
+    decoded = "".join(alphabet[i] for i in ds.x_train.reshape(-1))
+    assert decoded == text[: len(decoded)]  # the windows cut the training text in order
+    np.testing.assert_array_equal(ds.y_train[:, :-1], ds.x_train[:, 1:])  # the label is the next character
+    assert ds.x_test.max() <= len(alphabet)  # a character only the test split holds is the last id
+    model = asgd_jax.models.get("transformer", num_classes=ds.num_classes, input_shape=ds.input_shape, width=16,
+                                depth=1, heads=2)  # fmt: skip
+    params, state = model.init(jax.random.key(0))
+    metrics = asgd_jax.classification_eval(model, ds.test)(params, state)
+    assert set(metrics) == {"loss", "error", "perplexity"}
