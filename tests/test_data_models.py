@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.problems import replay_trainer_run
 
 import asgd_jax
 
@@ -252,15 +253,8 @@ def test_an_nnx_model_trains_in_the_simulator_and_its_trainer_run_replays(tmp_pa
     # The trainer with the same NNX model: dropout is keyed like the simulator's, so the trace replays.
     config = TrainConfig(Plan(2, num_updates=20, batch_size=16), seed=4, out=str(tmp_path), progress=False)
     run = train(loss, rule, params, ds.train, config, model_state=state, devices=jax.devices()[:2])
-    replay = asgd_jax.simulate(
-        loss,
-        rule,
-        params,
-        ds.train,
-        asgd_jax.Plan(asgd_jax.delays.Trace.load(run.trace_path, num=2), batch_size=16, num_updates=20),
-        model_state=state,
-        key=jax.random.key(4),
-        progress=False,
+    replay = replay_trainer_run(
+        loss, rule, params, ds.train, run, num=2, batch_size=16, num_updates=20, model_state=state, seed=4
     )
     for a, b in zip(jax.tree.leaves(replay.params), jax.tree.leaves(run.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -66,3 +66,37 @@ def test_asynchronous_diloco_applies_each_delta_on_arrival():
         local_lr=LOCAL_LR,
     )  # fmt: skip
     np.testing.assert_allclose(result.params, ref.w, rtol=1e-4, atol=1e-5)
+
+
+def test_the_async_local_sgd_study_runs_the_family_at_equal_data_and_shows_perplexity():
+    import dataclasses
+    import math
+
+    from asgd_jax import studies
+
+    study = studies.load("async_local_sgd")
+    arms = study.arms(study.full, False)
+    assert {a.coords["M"] for a in arms} == {4, 8, 16} and {a.coords["speeds"] for a in arms} == {
+        "uniform",
+        "heterogeneous",
+    }
+    for arm in arms:  # every worker pushes a delta after H local steps
+        assert (arm.plan.push, arm.plan.n_sync) == ("delta", 8)
+        labels = {v.label for v in arm.variants}
+        assert (arm.plan.mode == "sync") == (labels == {"DiLoCo (synchronous)"})
+        if "Delayed Nesterov (N = 2M)" in labels:
+            assert arm.rule_options["buffer_size"] == 2 * arm.coords["M"]
+    # One cell, a tiny transformer, a few pushes: every series has a perplexity; a diverged one shows as "—".
+    tiny = dataclasses.replace(
+        study.quick, model_options={"width": 16, "depth": 1, "heads": 2}, seeds=(0,), epochs=0.5, workers=(4,)
+    )
+    cell = dataclasses.replace(study, arms=lambda s, quick: study.arms(s, quick)[:2])  # synchronous and async
+    result = studies.run(cell, settings=tiny, progress=False)
+    runs = {r["label"]: r for r in result.runs}
+    assert set(runs) == {"DiLoCo (synchronous)", "async DiLoCo", "async DiLoCo (lr / 10)"}
+    start = 28.0  # (about the vocabulary's size: a perplexity below it learnt something)
+    assert 1.0 < runs["DiLoCo (synchronous)"]["test_perplexity"] < start
+    table = studies.format_table(cell, result.runs, 1)
+    assert "final test perplexity per token" in table
+    diverged = [label for label, r in runs.items() if not math.isfinite(r["test_perplexity"])]
+    assert ("—: the run diverged" in table) == bool(diverged)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.problems import replay_trainer_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -187,15 +188,8 @@ def test_the_transformer_learns_the_grammar_in_the_simulator_and_a_trainer_run_r
     assert start > 20 and float(evaluate(sim.params, sim.model_state)["perplexity"]) < 8
     config = TrainConfig(Plan(2, num_updates=12, batch_size=16), seed=4, out=str(tmp_path), progress=False)
     run = train(loss, rule, params, ds.train, config, model_state=state, devices=jax.devices()[:2])
-    replay = asgd_jax.simulate(
-        loss,
-        rule,
-        params,
-        ds.train,
-        Plan(asgd_jax.delays.Trace.load(run.trace_path, num=2), batch_size=16, num_updates=12),
-        model_state=state,
-        key=jax.random.key(4),
-        progress=False,
+    replay = replay_trainer_run(
+        loss, rule, params, ds.train, run, num=2, batch_size=16, num_updates=12, model_state=state, seed=4
     )
     for a, b in zip(jax.tree.leaves(replay.params), jax.tree.leaves(run.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -22,6 +22,7 @@ TINY = studies.Settings(dataset="digits", seeds=(0, 1), epochs=1.0, evals=2, win
 def test_every_study_is_found_and_its_grids_are_the_papers():
     names = studies.available()
     assert names == [
+        "async_local_sgd",
         "communication_bound",
         "dcasgd_lambda_sweep",
         "dcasgd_table1",
@@ -50,7 +51,7 @@ def test_every_study_is_found_and_its_grids_are_the_papers():
     assert table1.full.model == "resnet20" and table1.paper.numbers[8]["DC-ASGD-a"] == 8.57
     for name, study in full.items():  # every study documents its command and expectation
         assert f"asgd-jax run {name} --quick" in study.reproduces and "Expected:" in study.reproduces
-    with pytest.raises(ValueError, match="choose from communication_bound, dcasgd_lambda_sweep"):
+    with pytest.raises(ValueError, match="choose from async_local_sgd, communication_bound, dcasgd_lambda_sweep"):
         studies.load("no_such_study")
 
 

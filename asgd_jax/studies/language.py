@@ -24,6 +24,7 @@ METRICS = {
     "test_error": "final test error (%)",
     "time_to_target": "virtual time to the target training error",
     "speedup": "speed-up in time to the target training error",
+    "perplexity": "final test perplexity per token",
 }
 """What a study's table can show (:attr:`Table.metric`, :attr:`Table.also`)."""
 
@@ -230,7 +231,8 @@ class Table:
         the metric against the rows, a line per column.
       facet: one table (and one plot panel) per value of this coordinate (``"cluster"``).
       column_order: the columns in this order (default: as the runs come).
-      metric: ``"test_error"`` (%), ``"time_to_target"`` (virtual time) or ``"speedup"`` (the baseline's
+      metric: ``"test_error"`` (%), ``"perplexity"`` (a language model's), ``"time_to_target"`` (virtual time) or
+        ``"speedup"`` (the baseline's
         time-to-target over the run's).
       also: more metrics, each one more table of the same cells (``("time_to_target",)``).
       baseline: the coordinates of the speed-up baseline.

@@ -34,7 +34,12 @@ def _ordered(values) -> list:
 
 
 def _metric_value(metric: str, r: dict[str, Any]) -> float:
-    return 100 * r["test_error"] if metric == "test_error" else r["time_to_target"]
+    if metric == "test_error":
+        return 100 * r["test_error"]
+    if metric == "perplexity":  # (a diverged run's is NaN or inf: its cell shows "—")
+        value = r.get("test_perplexity", math.nan)
+        return value if math.isfinite(value) else math.nan
+    return r["time_to_target"]
 
 
 def _describe(study: Study, metric: str) -> str:
@@ -110,7 +115,9 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
 
         lines += ([""] if lines else []) + [f"{what}, {over} over {num_seeds} seed(s){tuned}"]
         lines += ([] if study.table.facet else [""]) + _grid(study, cells, text)
-        if metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
+        if metric == "perplexity" and any(math.isnan(m) for m, _ in cells.values()):
+            lines += ["", "—: the run diverged (in at least one seed)."]
+        elif metric != "test_error" and any(math.isnan(m) for m, _ in cells.values()):
             lines += ["", "—: the target was not reached within the budget (in at least one seed)."]
         if metric in ("time_to_target", "speedup") and budgets:
             lines += ["", "The budget of each column (virtual time, the same for every rule there: when its earliest"]
@@ -149,9 +156,12 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
     return "\n".join(lines)
 
 
-def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list, labels: bool) -> bool:
+def _final_axes(
+    ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, cols: list, labels: bool, log: bool = False
+) -> bool:
     """One panel of the final metric: lines against numeric rows, grouped bars over named ones (rules), an x where a
-    bar has no value (the target not reached, or diverged). Returns whether it drew an x."""
+    bar has no value (the target not reached, or diverged); ``log``: a logarithmic axis from 1 (a perplexity, whose
+    worst runs are orders of magnitude above the best). Returns whether it drew an x."""
     numeric = all(isinstance(r, int | float) for r in rows)
     width, missing = 0.8 / max(len(cols), 1), False
     for j, col in enumerate(cols):
@@ -172,11 +182,20 @@ def _final_axes(ax, study: Study, cells: dict[tuple, tuple], facet, rows: list, 
             none = [xi for xi, p in zip(x, pts, strict=True) if not math.isfinite(p[1])]
             if none:  # (an empty line drawn unclipped would stretch the panel's layout box to the figure's origin)
                 ax.plot(
-                    none, [0.0] * len(none), "x", color=bars.patches[0].get_facecolor(), ms=6, mew=1.5, clip_on=False
+                    none,
+                    [1.0 if log else 0.0] * len(none),
+                    "x",
+                    color=bars.patches[0].get_facecolor(),
+                    ms=6,
+                    mew=1.5,
+                    clip_on=False,
                 )
                 missing = True
     if numeric and len(rows) > 2 and min(rows) > 0 and max(rows) / min(rows) >= 8:
         ax.set_xscale("log", base=2)
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=1.0)
     if not numeric:
         ax.set_xticks(range(len(rows)), [str(r) for r in rows] if labels else [], rotation=35, ha="right", fontsize=8)
     else:
@@ -217,7 +236,8 @@ def _final_figure(study: Study, cells: dict[tuple, tuple], metric: str, referenc
     fig, axes = plt.subplots(*shape, figsize=size, squeeze=False, sharey=True, layout="constrained")
     axes, missing = list(axes.flat), False
     for ax, facet in zip(axes, facets, strict=True):
-        missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1])
+        log = metric == "perplexity"
+        missing |= _final_axes(ax, study, cells, facet, rows, cols, labels=numeric or ax is axes[-1], log=log)
         if reference is not None and numeric and metric == study.table.metric:
             _reference_line(ax, cells, facet, rows, *reference)
         if study.table.facet:

@@ -274,6 +274,8 @@ def _arm_numbers(s: Settings, run: _ArmRun, result, setup: _Setup) -> tuple[list
                 "mean_staleness": float(mx["staleness"][r].mean()),
                 "max_staleness": int(mx["staleness"][r].max()),
                 "updates": num_updates,
+                # A language model's final perplexity per token (NaN or inf: the run diverged).
+                **({"test_perplexity": float(mx["eval_perplexity"][r, -1])} if "eval_perplexity" in mx else {}),
             }
             for r in rows
         ]

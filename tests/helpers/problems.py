@@ -132,3 +132,14 @@ def replay_order(push, pull, order=PUSH_ORDER, num=3):
         a, y = batches.next(int(worker))
         push(int(worker), lsq_grad(sent[int(worker)], a, y), sent[int(worker)])
         sent[int(worker)] = pull(int(worker))
+
+
+def replay_trainer_run(loss, rule, params, data, run, *, num, batch_size, num_updates, model_state, seed):
+    """A trainer run (``run``, a :class:`asgd_jax.trainer.TrainResult`) replayed in the simulator from its trace: the
+    same loss, rule, initial weights, data and seed; its result."""
+    plan = asgd_jax.Plan(
+        asgd_jax.delays.Trace.load(run.trace_path, num=num), batch_size=batch_size, num_updates=num_updates
+    )
+    return asgd_jax.simulate(
+        loss, rule, params, data, plan, model_state=model_state, key=jax.random.key(seed), progress=False
+    )
