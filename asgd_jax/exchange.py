@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from asgd_jax import errors
 from asgd_jax.loss import Loss
@@ -35,6 +36,7 @@ __all__ = [
     "check_params",
     "eval_parts",
     "host_mean",
+    "inner_optimizer",
     "key_fingerprint",
     "key_fingerprint_tree",
     "mean_tree",
@@ -59,6 +61,7 @@ class Exchange:
       num_examples: training examples N.
       shard_size: examples per worker's shard in an epoch (``N // num_shards``).
       stateful: the loss carries a model state (BatchNorm statistics).
+      inner: the workers' optimizer of their local steps (:func:`inner_optimizer`; the plan's).
     """
 
     mode: str
@@ -68,6 +71,7 @@ class Exchange:
     num_examples: int
     shard_size: int
     stateful: bool
+    inner: str = "sgd"
 
     @property
     def local_steps(self) -> bool:
@@ -87,7 +91,14 @@ class Exchange:
                 f"batch_size={plan.batch_size} is larger than a shard: {num_examples} examples over {num_shards} "
                 f"shards leaves {shard_size} per shard. Lower batch_size or the number of workers."
             )
-        return cls(plan.mode, plan.n_sync, plan.push, plan.batch_size, num_examples, shard_size, bool(stateful))
+        return cls(
+            plan.mode, plan.n_sync, plan.push, plan.batch_size, num_examples, shard_size, bool(stateful), plan.inner
+        )
+
+    @property
+    def keeps_inner_state(self) -> bool:
+        """Whether each worker keeps an optimizer state across its exchanges (an ``inner`` optimizer but plain SGD)."""
+        return self.inner != "sgd"
 
 
 def validate(loss: Loss, data: Any, params: Any, model_state: Any, plan: Any) -> Exchange:
@@ -135,12 +146,26 @@ def _num_examples(data: Any) -> int:
     return sizes.pop()
 
 
-def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr):
+def inner_optimizer(name: str, learning_rate: Any) -> optax.GradientTransformation:
+    """A worker's optimizer of its local steps by name (:data:`asgd_jax.plan.INNER`), at ``learning_rate`` (the plan's
+    ``local_lr``, a traced number): ``"sgd"``, ``"momentum"`` (Nesterov, 0.9) or ``"adamw"`` (optax's defaults)."""
+    if name == "momentum":
+        return optax.sgd(learning_rate, momentum=0.9, nesterov=True)
+    if name == "adamw":
+        return optax.adamw(learning_rate)
+    errors.choice("inner", name, ("sgd", "momentum", "adamw"), "--inner")
+    return optax.sgd(learning_rate)
+
+
+def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state=None):
     """One worker's exchange period: ``n_sync`` minibatches (``batches``, stacked) from the pulled weights.
 
     ``grad_fn`` is ``jax.value_and_grad(loss.normalized(), has_aux=True)``. Returns ``(payload, model_state, loss,
-    aux)``, the loss and aux averaged over the minibatches.
+    aux)``, the loss and aux averaged over the minibatches. With ``inner_state`` (the worker's state of its inner
+    optimizer, :attr:`Exchange.inner`) the local steps are that optimizer's, and the new state ends the tuple.
     """
+    if inner_state is not None:
+        return _work_inner(grad_fn, ex, params0, model_state0, batches, key, local_lr, inner_state)
     if ex.n_sync == 1:
         (loss, (model_state, aux)), g = grad_fn(params0, model_state0, jax.tree.map(lambda b: b[0], batches), key)
         payload = jax.tree.map(lambda x: local_lr * x, g) if ex.push == "delta" else g
@@ -148,6 +173,23 @@ def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, l
     body = functools.partial(_local_step, grad_fn, ex, params0, key, local_lr)
     carry, (losses, auxes) = jax.lax.scan(body, _first_carry(params0, model_state0), (batches, jnp.arange(ex.n_sync)))
     return _period_end(ex, params0, carry, losses, auxes)
+
+
+def _work_inner(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state):
+    """:func:`work` with the worker's inner optimizer: every minibatch's gradient summed and stepped with it."""
+    opt = inner_optimizer(ex.inner, local_lr)
+
+    def step(carry, inputs):
+        params, model_state, acc, opt_state = carry
+        batch, i = inputs
+        (loss, (model_state, aux)), g = grad_fn(params, model_state, batch, jax.random.fold_in(key, i))
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, model_state, jax.tree.map(jnp.add, acc, g), opt_state), (loss, aux)
+
+    first = (*_first_carry(params0, model_state0), inner_state)
+    carry, (losses, auxes) = jax.lax.scan(step, first, (batches, jnp.arange(ex.n_sync)))
+    return (*_period_end(ex, params0, carry[:3], losses, auxes), carry[3])
 
 
 def _first_carry(params0, model_state0):

@@ -33,10 +33,12 @@ from asgd_jax import delays as delays_lib
 from asgd_jax import errors
 from asgd_jax.partition import Partition
 
-__all__ = ["DEFAULT_CHUNK", "MODES", "PUSHES", "Plan", "PlanStructure"]
+__all__ = ["DEFAULT_CHUNK", "INNER", "MODES", "PUSHES", "Plan", "PlanStructure"]
 
 MODES = ("async", "sync")
 PUSHES = ("gradients", "delta", "accumulate")
+INNER = ("sgd", "momentum", "adamw")
+"""A worker's optimizer for its local steps, by name (:func:`asgd_jax.exchange.inner_optimizer` builds it)."""
 
 DEFAULT_CHUNK = 100
 """Updates per compiled chunk when neither ``chunk`` nor ``eval_every`` says: independent of the budget, so runs of
@@ -55,6 +57,7 @@ class PlanStructure(NamedTuple):
     batch_size: int
     chunk: int
     fixed_partition: bool = False  # a non-IID partition: its assignment is an argument of the programs
+    inner: str = "sgd"  # the workers' optimizer of their local steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,10 @@ class Plan:
       time_budget: a virtual-time budget (simulator): the run ends at the first evaluation (the first chunk end,
         without an ``eval_fn``) where every run's clock has reached it, before ``num_updates`` if it comes first; its
         metrics hold the updates done. A number, not structure.
+      inner: the workers' optimizer of their local steps, at ``local_lr``: ``"sgd"`` (the default, plain steps),
+        ``"momentum"`` (SGD with Nesterov momentum 0.9) or ``"adamw"`` (optax's AdamW: DiLoCo's inner optimizer);
+        each worker's state of it is its own and lasts across its exchanges (the simulator; the trainer runs
+        ``"sgd"`` only, for now).
       partition: how the data is split among the workers (:class:`asgd_jax.partition.Partition`, or its text form:
         ``"iid"``, the default; ``"dirichlet:0.1"``, ``"labels:2"``, ``"unequal:0.5"``); a non-IID partition is drawn
         once from the labels ``data["y"]`` and its own seed, the same for the simulator and the trainer.
@@ -108,6 +115,7 @@ class Plan:
     chunk: int | None = None
     time_budget: float | None = None
     partition: Any = None
+    inner: str = "sgd"
 
     def __post_init__(self):
         model = delays_lib.Workers(8) if self.delays is None else self.delays
@@ -128,6 +136,7 @@ class Plan:
         errors.choice("mode", self.mode, MODES, "--mode")
         errors.positive_int("n_sync", self.n_sync, "--n-sync")
         errors.choice("push", self.push, PUSHES, "--push")
+        errors.choice("inner", self.inner, INNER, "--inner")
         for name in ("eval_every", "checkpoint_every", "chunk"):
             if getattr(self, name) is not None:
                 errors.positive_int(name, getattr(self, name), "--" + name.replace("_", "-"))
@@ -164,6 +173,11 @@ class Plan:
             raise errors.ConfigError(
                 f"n_sync={self.n_sync} (--n-sync) with push={self.push!r} {what}: pass local_lr=<float> (--local-lr), "
                 "or use push='accumulate' (no local steps)."
+            )
+        if self.inner != "sgd" and not local_steps:
+            raise errors.ConfigError(
+                f"inner={self.inner!r} (--inner) is the optimizer of a worker's local steps, but this plan takes none "
+                f"(push={self.push!r}, n_sync={self.n_sync}): use push='delta' or n_sync > 1, or inner='sgd'."
             )
         rounds = delays_lib.is_round_model(self.delays)
         if self.mode == "sync" and not (rounds or isinstance(self.delays, delays_lib.Workers)):
@@ -225,10 +239,19 @@ class Plan:
         """What of this plan shapes a compiled program (see :class:`PlanStructure`)."""
         structure, _ = delays_lib.split(self.delays)
         return PlanStructure(
-            structure, self.mode, self.n_sync, self.push, self.batch_size, self.chunk_length, not self.partition.iid
+            structure,
+            self.mode,
+            self.n_sync,
+            self.push,
+            self.batch_size,
+            self.chunk_length,
+            not self.partition.iid,
+            self.inner,
         )
 
     def describe(self) -> dict[str, Any]:
         """The plan as plain values (for a checkpoint header, ``summary.json``, a study's results)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "delays"}
+        if self.inner == "sgd":  # (the default, left out: the records of runs from before it existed stay the same)
+            del out["inner"]
         return {"delays": repr(self.delays), "workers": self.workers, **out, "partition": str(self.partition)}

@@ -4,6 +4,7 @@ from the weights they pulled (the same minibatches, sharing no code with asgd_ja
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from helpers.problems import PUSH_ORDER, W1, BatchOrder, simulate_lsq
@@ -100,3 +101,111 @@ def test_the_async_local_sgd_study_runs_the_family_at_equal_data_and_shows_perpl
     assert "final test perplexity per token" in table
     diverged = [label for label, r in runs.items() if not math.isfinite(r["test_perplexity"])]
     assert ("—: the run diverged" in table) == bool(diverged)
+
+
+class AdamW:
+    """optax.adamw's defaults in float64: bias-corrected moments, decoupled weight decay 1e-4."""
+
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-8, wd=1e-4):
+        self.m, self.v, self.t = np.zeros(len(W1)), np.zeros(len(W1)), 0
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, wd
+
+    def step(self, w, g):
+        self.t += 1
+        self.m = self.b1 * self.m + (1 - self.b1) * g
+        self.v = self.b2 * self.v + (1 - self.b2) * g * g
+        m_hat, v_hat = self.m / (1 - self.b1**self.t), self.v / (1 - self.b2**self.t)
+        return w - self.lr * (m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * w)
+
+
+class NesterovSGD:
+    """optax.sgd(lr, momentum=0.9, nesterov=True) in float64."""
+
+    def __init__(self, lr, beta=0.9):
+        self.trace, self.lr, self.beta = np.zeros(len(W1)), lr, beta
+
+    def step(self, w, g):
+        self.trace = g + self.beta * self.trace
+        return w - self.lr * (g + self.beta * self.trace)
+
+
+def _local_with(w, worker, batches, opt):
+    """H local steps of the worker's own optimizer ``opt`` (its state lasts across the worker's periods)."""
+    for _ in range(H):
+        a, y = batches.next(worker)
+        w = opt.step(w, lsq_grad(w, a, y))
+    return w
+
+
+def test_synchronous_diloco_with_adamw_inner_steps_keeps_each_workers_state_across_rounds():
+    num, rounds, inner_lr = 3, 5, 0.02
+    ref, batches = OuterNesterov(0.7, 0.9), BatchOrder(0, num_shards=num)
+    inner = [AdamW(inner_lr) for _ in range(num)]
+    for _ in range(rounds):
+        ref.apply(np.mean([ref.w - _local_with(ref.w, m, batches, inner[m]) for m in range(num)], axis=0))
+    result = simulate_lsq(
+        rules.diloco(0.7),
+        delays.Workers(num),
+        num_updates=rounds,
+        mode="sync",
+        push="delta",
+        n_sync=H,
+        local_lr=inner_lr,
+        inner="adamw",
+    )
+    np.testing.assert_allclose(result.params, ref.w, rtol=1e-4, atol=1e-5)
+    count = result.state.workers[0].count  # every worker's AdamW took H steps a round
+    np.testing.assert_array_equal(count, [H * rounds] * num)
+
+
+def test_asynchronous_diloco_with_momentum_inner_steps_over_a_recorded_order():
+    num, order, inner_lr = 3, PUSH_ORDER[:24], 0.02
+    ref, batches = OuterNesterov(0.3, 0.9), BatchOrder(0, num_shards=num)
+    inner = [NesterovSGD(inner_lr) for _ in range(num)]
+    sent = {m: ref.w.copy() for m in range(num)}
+    for worker in map(int, order):
+        ref.apply(sent[worker] - _local_with(sent[worker], worker, batches, inner[worker]))
+        sent[worker] = ref.w.copy()
+    result = simulate_lsq(
+        rules.diloco(0.3), delays.Trace(order, num=num), num_updates=len(order), push="delta", n_sync=H,
+        local_lr=inner_lr, inner="momentum",
+    )  # fmt: skip
+    np.testing.assert_allclose(result.params, ref.w, rtol=1e-4, atol=1e-5)
+
+
+def test_an_inner_optimizer_compiles_once_for_every_local_lr_and_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    from helpers.compiles import compilations
+
+    common = dict(num_updates=24, push="delta", n_sync=H, inner="adamw", chunk=6)
+    run = lambda lr, **kw: simulate_lsq(rules.diloco(0.5), delays.Workers(3), local_lr=lr, **common, **kw)
+    full = run(0.02)
+    with compilations() as counts:
+        other = run(0.01)
+    assert sum(counts.values()) == 0 and not np.array_equal(other.params, full.params)  # a number, not a constant
+
+    def crash(done, state):
+        if done == 12:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(0.02, checkpoint_dir=tmp_path, callback=crash)
+    resumed = run(0.02, checkpoint_dir=tmp_path)
+    np.testing.assert_array_equal(resumed.params, full.params)  # the workers' AdamW states came back with it
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.workers, full.state.workers)
+
+
+def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_and_by_the_trainer():
+    from asgd_jax.errors import ConfigError
+    from asgd_jax.plan import Plan
+    from asgd_jax.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"inner='adamw' \(--inner\) is the optimizer of a worker's local steps"):
+        Plan(4, inner="adamw")
+    with pytest.raises(ConfigError, match=r"inner='lion' \(--inner\) is invalid: .*'sgd', 'momentum', 'adamw'"):
+        Plan(4, push="delta", local_lr=0.1, inner="lion")
+    with pytest.raises(ConfigError, match=r"plan.inner='adamw' is invalid: the trainer's workers"):
+        TrainConfig(Plan(4, push="delta", local_lr=0.1, inner="adamw"))
+    assert (
+        "inner" not in Plan(4).describe()
+        and Plan(4, push="delta", local_lr=0.1, inner="adamw").describe()["inner"] == "adamw"
+    )

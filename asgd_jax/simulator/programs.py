@@ -152,7 +152,7 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
     batched = key.runs is not None
 
     def one_start(params, model_state, k, h, numbers):
-        return _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state)
+        return _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state, ex.inner)
 
     def one_chunk(state, data, k, h, numbers, n=None):
         del k  # the run's keys were split once, at its start: they are in the state
@@ -182,15 +182,18 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
         )
         schedule, delay_state, data_state = schedule_fn(c, state, ts, k_delays, n)
         step = lambda s, x: _step(c, s, x)
+        # The carry: the server, and with an inner optimizer every worker's state of it too.
+        first = state.server if state.workers is None else (state.server, state.workers)
         if n is None:
-            srv, metrics = jax.lax.scan(step, state.server, schedule)
+            carry, metrics = jax.lax.scan(step, first, schedule)
             clock = schedule.time[-1]
         else:
-            srv, metrics = _dynamic_scan(step, state.server, schedule, n)
+            carry, metrics = _dynamic_scan(step, first, schedule, n)
             clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
+        srv, workers = (carry, None) if state.workers is None else carry
         if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             srv = server.pull(srv, 0)
-        return SimState(server=srv, delay=delay_state, data=data_state, clock=clock, keys=state.keys), metrics
+        return SimState(srv, delay_state, data_state, clock, state.keys, workers), metrics
 
     if batched:  # the runs axis: keys and hparams per run; data, numbers and the trip count shared
         start = jax.vmap(one_start, in_axes=(None, None, 0, 0, None))

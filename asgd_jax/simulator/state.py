@@ -41,6 +41,7 @@ class SimState(NamedTuple):
     data: DataState
     clock: jax.Array  # float32 virtual time of the last update
     keys: RunKeys
+    workers: Any = None  # each worker's own state across its exchanges: its inner optimizer's, [M, ...] (or None)
 
 
 class SimulationResult(NamedTuple):
@@ -81,10 +82,11 @@ def init(
       ((4, 3), 0)
     """
     plan = Plan() if plan is None else plan
-    return init_state(rule, params, plan.delays, jax.random.key(0) if key is None else key, plan.n_sync, model_state)
+    key = jax.random.key(0) if key is None else key
+    return init_state(rule, params, plan.delays, key, plan.n_sync, model_state, plan.inner)
 
 
-def init_state(rule, params, delays, key, n_sync: int, model_state) -> SimState:
+def init_state(rule, params, delays, key, n_sync: int, model_state, inner: str = "sgd") -> SimState:
     # The key's split and the data order's words are made here, once: every chunk would otherwise make them again
     # (each a PRNG call that XLA compiles anew in every program that makes one).
     data_key, delay_key, model_key = exchange.split_key(key)
@@ -94,4 +96,13 @@ def init_state(rule, params, delays, key, n_sync: int, model_state) -> SimState:
         data=DataState(jnp.zeros((delays.num_shards,), jnp.int32)),
         clock=jnp.zeros((), jnp.float32),
         keys=RunKeys(order.key_words(data_key), jax.random.key_data(delay_key), jax.random.key_data(model_key)),
+        workers=_inner_states(inner, params, getattr(delays, "num_workers", delays.num_slots)),
     )
+
+
+def _inner_states(inner: str, params: Any, num_workers: int) -> Any:
+    """Every worker's first state of its inner optimizer, stacked ``[M, ...]``; None for plain local SGD."""
+    if inner == "sgd":
+        return None
+    first = exchange.inner_optimizer(inner, 0.0).init(params)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers, *jnp.shape(x))), first)

@@ -168,8 +168,9 @@ def sync_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, v
     return schedule, state.delay, DataState(state.data.taken + done * n_sync)
 
 
-def _async_update(c: Ctx, srv: server.ServerState, x: _Schedule):
-    """The scheduled push: that worker's payload at its snapshot, applied; then its pull."""
+def _async_update(c: Ctx, srv: server.ServerState, workers: Any, x: _Schedule):
+    """The scheduled push: that worker's payload at its snapshot (with its inner optimizer's state, when ``workers``
+    holds them), applied; then its pull."""
     ex, live = c.ex, live_slot(c.rule, c.delays, c.ex)
     if live:
         params0, model_state0 = srv.params, srv.model_state
@@ -180,7 +181,16 @@ def _async_update(c: Ctx, srv: server.ServerState, x: _Schedule):
     pulled = server.snapshot_version(srv, x.push_slot)
     k_model = jax.random.fold_in(jax.random.fold_in(c.model_key, pulled), x.push_slot)
     batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [n_sync, batch, ...]
-    payload, model_state, loss, aux = exchange.work(c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr)
+    if workers is None:
+        payload, model_state, loss, aux = exchange.work(
+            c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr
+        )
+    else:  # the pushing worker's own optimizer state, read and written back
+        mine = jax.tree.map(lambda a: a[x.worker], workers)
+        payload, model_state, loss, aux, mine = exchange.work(
+            c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr, mine
+        )
+        workers = jax.tree.map(lambda a, b: a.at[x.worker].set(b), workers, mine)
     srv, staleness = server.exchange(
         c.rule,
         srv,
@@ -192,12 +202,12 @@ def _async_update(c: Ctx, srv: server.ServerState, x: _Schedule):
         pull_weights=not live,
         worker=x.worker,  # (a ring of versions' slot is not its worker)
     )
-    return srv, (loss, aux, staleness, ex.n_sync * ex.batch_size)
+    return srv, workers, (loss, aux, staleness, ex.n_sync * ex.batch_size)
 
 
-def _sync_update(c: Ctx, srv: server.ServerState, x: _Schedule):
-    """An SSGD round: every worker's payload at w_t, their mean applied once (as worker 0); or a round model's K
-    payloads at w_t."""
+def _sync_update(c: Ctx, srv: server.ServerState, workers: Any, x: _Schedule):
+    """An SSGD round: every worker's payload at w_t (each with its inner optimizer's state, when ``workers`` holds
+    them), their mean applied once (as worker 0); or a round model's K payloads at w_t."""
     ex, num = c.ex, _round_size(c.delays)
     batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [M, n_sync, batch, ...]
     live = live_slot(c.rule, c.delays, ex)
@@ -205,9 +215,15 @@ def _sync_update(c: Ctx, srv: server.ServerState, x: _Schedule):
         params0, model_state0 = srv.params, srv.model_state
     else:  # a pull-side rule: every worker computes at what slot 0's pull sent
         params0, model_state0 = server.snapshot(srv, 0)
-    payloads, model_states, losses, auxes = jax.vmap(
-        lambda b, k: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr)
-    )(batches, jax.random.split(x.round_key, num))
+    keys = jax.random.split(x.round_key, num)
+    if workers is None:
+        payloads, model_states, losses, auxes = jax.vmap(
+            lambda b, k: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr)
+        )(batches, keys)
+    else:  # (SSGD's workers are the round's, in order: worker m's state is row m)
+        payloads, model_states, losses, auxes, workers = jax.vmap(
+            lambda b, k, s: exchange.work(c.grad_fn, ex, params0, model_state0, b, k, c.local_lr, s)
+        )(batches, keys, workers)
     mean_state = exchange.mean_tree(model_states) if ex.stateful else None
     # Every payload was computed at params0: slot 0's snapshot (the live weights w_t, see live_slot).
     # The round's step direction: their mean, or the round model's own combination (Shadowheart's weighted sum of
@@ -218,7 +234,7 @@ def _sync_update(c: Ctx, srv: server.ServerState, x: _Schedule):
     )
     srv, staleness = server.exchange(c.rule, srv, 0, payload, mean_state, stale_params=params0, pull_weights=not live)
     aux = jax.tree.map(jnp.mean, auxes)
-    return srv, (losses.mean(), aux, staleness, num * ex.n_sync * ex.batch_size)
+    return srv, workers, (losses.mean(), aux, staleness, num * ex.n_sync * ex.batch_size)
 
 
 def _round_size(delays: Any) -> int:
@@ -226,10 +242,12 @@ def _round_size(delays: Any) -> int:
     return delays.round_size if delays_lib.is_round_model(delays) else delays.num_slots
 
 
-def step(c: Ctx, srv: server.ServerState, x: _Schedule):
-    """One server update, as the chunk's schedule row ``x`` says."""
+def step(c: Ctx, carry: Any, x: _Schedule):
+    """One server update, as the chunk's schedule row ``x`` says. ``carry``: the server's state, or with an inner
+    optimizer ``(server, workers)``, every worker's state of it too."""
     update = _async_update if c.ex.mode == "async" else _sync_update
-    srv, (loss, aux, staleness, examples) = update(c, srv, x)
+    srv, workers = (carry, None) if not c.ex.keeps_inner_state else carry
+    srv, workers, (loss, aux, staleness, examples) = update(c, srv, workers, x)
     metrics = {
         "loss": loss.astype(jnp.float32),
         "staleness": staleness.astype(jnp.int32),
@@ -240,4 +258,4 @@ def step(c: Ctx, srv: server.ServerState, x: _Schedule):
     }
     if x.busy is not None:
         metrics.update(busy=x.busy.astype(jnp.float32), wasted=x.wasted.astype(jnp.float32))
-    return srv, metrics
+    return (srv if workers is None else (srv, workers)), metrics

@@ -115,6 +115,13 @@ class TrainConfig:
             plan.time_budget,
             "a virtual-time budget is the simulator's: the trainer's wall-clock budget is timeout= (--timeout)",
         )
+        errors.require(
+            plan.inner == "sgd",
+            "plan.inner",
+            plan.inner,
+            "the trainer's workers take plain SGD local steps for now (a worker's inner optimizer state is kept by "
+            "the simulator only): run it with asgd_jax.simulate, or use inner='sgd'",
+        )
         errors.int_at_least("devices_per_worker", self.devices_per_worker, 1, flag("devices_per_worker"))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))
