@@ -91,12 +91,12 @@ def test_the_async_local_sgd_study_runs_the_family_at_equal_data_and_shows_perpl
     tiny = dataclasses.replace(
         study.quick, model_options={"width": 16, "depth": 1, "heads": 2}, seeds=(0,), epochs=0.5, workers=(4,)
     )
-    cell = dataclasses.replace(study, arms=lambda s, quick: study.arms(s, quick)[:2])  # synchronous and async
+    cell = dataclasses.replace(study, arms=lambda s, quick: study.arms(s, quick)[1:2])  # async DiLoCo, two rates
     result = studies.run(cell, settings=tiny, progress=False)
     runs = {r["label"]: r for r in result.runs}
-    assert set(runs) == {"DiLoCo (synchronous)", "async DiLoCo", "async DiLoCo (lr / 10)"}
+    assert set(runs) == {"async DiLoCo", "async DiLoCo (lr / 10)"}
     start = 28.0  # (about the vocabulary's size: a perplexity below it learnt something)
-    assert 1.0 < runs["DiLoCo (synchronous)"]["test_perplexity"] < start
+    assert 1.0 < runs["async DiLoCo (lr / 10)"]["test_perplexity"] < start
     table = studies.format_table(cell, result.runs, 1)
     assert "final test perplexity per token" in table
     diverged = [label for label, r in runs.items() if not math.isfinite(r["test_perplexity"])]
