@@ -100,28 +100,7 @@ class TrainConfig:
     def __post_init__(self):
         flag = lambda name: "--" + name.replace("_", "-")
         plan = self.plan
-        errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(workers, num_updates=...)")
-        errors.require(
-            isinstance(plan.delays, TRAINABLE),
-            "plan.delays",
-            plan.delays,
-            "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn), or the optimal-time "
-            "methods' Ringmaster(M, R, stops=), Rennala(M, S, stops=) or MSync(M, m)",
-            "--workers",
-        )
-        errors.require(
-            plan.time_budget is None,
-            "plan.time_budget",
-            plan.time_budget,
-            "a virtual-time budget is the simulator's: the trainer's wall-clock budget is timeout= (--timeout)",
-        )
-        errors.require(
-            plan.inner == "sgd",
-            "plan.inner",
-            plan.inner,
-            "the trainer's workers take plain SGD local steps for now (a worker's inner optimizer state is kept by "
-            "the simulator only): run it with asgd_jax.simulate, or use inner='sgd'",
-        )
+        _check_plan(plan)
         errors.int_at_least("devices_per_worker", self.devices_per_worker, 1, flag("devices_per_worker"))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))
@@ -246,3 +225,29 @@ class TrainConfig:
     def eval_interval(self) -> int:
         """Updates between evaluations: the plan's (:meth:`asgd_jax.Plan.eval_interval`, the simulator's too)."""
         return self.plan.eval_interval()
+
+
+def _check_plan(plan: Any) -> None:
+    """What of a plan the trainer runs: a Plan of M real workers, no virtual-time budget, plain SGD local steps."""
+    errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(workers, num_updates=...)")
+    errors.require(
+        isinstance(plan.delays, TRAINABLE),
+        "plan.delays",
+        plan.delays,
+        "the trainer runs M real workers: give Plan(M) (its delays are measured, not drawn), or the optimal-time "
+        "methods' Ringmaster(M, R, stops=), Rennala(M, S, stops=) or MSync(M, m)",
+        "--workers",
+    )
+    errors.require(
+        plan.time_budget is None,
+        "plan.time_budget",
+        plan.time_budget,
+        "a virtual-time budget is the simulator's: the trainer's wall-clock budget is timeout= (--timeout)",
+    )
+    errors.require(
+        plan.inner == "sgd",
+        "plan.inner",
+        plan.inner,
+        "the trainer's workers take plain SGD local steps for now (a worker's inner optimizer state is kept by "
+        "the simulator only): run it with asgd_jax.simulate, or use inner='sgd'",
+    )
