@@ -157,15 +157,19 @@ def inner_optimizer(name: str, learning_rate: Any) -> optax.GradientTransformati
     return optax.sgd(learning_rate)
 
 
-def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state=None):
+def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state=None, steps=None):
     """One worker's exchange period: ``n_sync`` minibatches (``batches``, stacked) from the pulled weights.
 
     ``grad_fn`` is ``jax.value_and_grad(loss.normalized(), has_aux=True)``. Returns ``(payload, model_state, loss,
     aux)``, the loss and aux averaged over the minibatches. With ``inner_state`` (the worker's state of its inner
-    optimizer, :attr:`Exchange.inner`) the local steps are that optimizer's, and the new state ends the tuple.
+    optimizer, :attr:`Exchange.inner`) the local steps are that optimizer's, and the new state ends the tuple. With
+    ``steps`` (DyLU: an int32 below ``n_sync``) only the first ``steps`` minibatches count: the later ones change
+    nothing.
     """
-    if inner_state is not None:
-        return _work_inner(grad_fn, ex, params0, model_state0, batches, key, local_lr, inner_state)
+    if inner_state is not None or steps is not None:
+        state = () if inner_state is None else inner_state
+        out = _work_inner(grad_fn, ex, params0, model_state0, batches, key, local_lr, state, steps)
+        return out if inner_state is not None else out[:4]
     if ex.n_sync == 1:
         (loss, (model_state, aux)), g = grad_fn(params0, model_state0, jax.tree.map(lambda b: b[0], batches), key)
         payload = jax.tree.map(lambda x: local_lr * x, g) if ex.push == "delta" else g
@@ -175,20 +179,32 @@ def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, l
     return _period_end(ex, params0, carry, losses, auxes)
 
 
-def _work_inner(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state):
-    """:func:`work` with the worker's inner optimizer: every minibatch's gradient summed and stepped with it."""
+def _work_inner(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state, steps):
+    """:func:`work` with the worker's inner optimizer (plain SGD when ``inner_state`` is ``()``) and its own number of
+    steps (``steps``; None: all): every counted minibatch's gradient summed and stepped with it."""
     opt = inner_optimizer(ex.inner, local_lr)
+    local_steps, plain = ex.push != "accumulate", isinstance(inner_state, tuple) and not inner_state
 
     def step(carry, inputs):
-        params, model_state, acc, opt_state = carry
         batch, i = inputs
-        (loss, (model_state, aux)), g = grad_fn(params, model_state, batch, jax.random.fold_in(key, i))
-        updates, opt_state = opt.update(g, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return (params, model_state, jax.tree.map(jnp.add, acc, g), opt_state), (loss, aux)
+        params, model_state, acc, opt_state = carry
+        at = params if local_steps else params0
+        (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
+        new = (params, model_state, jax.tree.map(jnp.add, acc, g), opt_state)
+        if local_steps and plain:  # (plain SGD, as _local_step)
+            new = (jax.tree.map(lambda p, x: p - local_lr * x, params, g), *new[1:])
+        elif local_steps:
+            updates, opt_state = opt.update(g, opt_state, params)
+            new = (optax.apply_updates(params, updates), model_state, new[2], opt_state)
+        if steps is not None:  # DyLU: a step past the worker's own changes nothing
+            new = jax.tree.map(lambda n, o: jnp.where(i < steps, n, o), new, carry)
+        return new, (loss, aux)
 
     first = (*_first_carry(params0, model_state0), inner_state)
     carry, (losses, auxes) = jax.lax.scan(step, first, (batches, jnp.arange(ex.n_sync)))
+    if steps is not None:  # the loss and metrics of the counted minibatches
+        weight = (jnp.arange(ex.n_sync) < steps).astype(jnp.float32) * ex.n_sync / steps
+        losses, auxes = losses * weight, jax.tree.map(lambda a: a * weight, auxes)
     return (*_period_end(ex, params0, carry[:3], losses, auxes), carry[3])
 
 

@@ -179,6 +179,12 @@ class Plan:
                 f"inner={self.inner!r} (--inner) is the optimizer of a worker's local steps, but this plan takes none "
                 f"(push={self.push!r}, n_sync={self.n_sync}): use push='delta' or n_sync > 1, or inner='sgd'."
             )
+        if getattr(self.delays, "dylu", False) and (self.mode != "async" or not local_steps or self.n_sync == 1):
+            raise errors.ConfigError(
+                f"Workers(dylu=True) gives each worker its share of n_sync={self.n_sync} local steps in asynchronous "
+                f"local SGD, but this plan has mode={self.mode!r}, push={self.push!r}: use mode='async', n_sync > 1 "
+                "and local steps (push='delta', or push='gradients' with local_lr)."
+            )
         rounds = delays_lib.is_round_model(self.delays)
         if self.mode == "sync" and not (rounds or isinstance(self.delays, delays_lib.Workers)):
             raise errors.ConfigError(

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from helpers.problems import PUSH_ORDER, W1, BatchOrder, simulate_lsq
 from helpers.reference import lsq_grad
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asgd_jax import delays, rules
 
@@ -85,8 +87,9 @@ def test_the_async_local_sgd_study_runs_the_family_at_equal_data_and_shows_perpl
         assert (arm.plan.push, arm.plan.n_sync) == ("delta", 8)
         labels = {v.label for v in arm.variants}
         assert (arm.plan.mode == "sync") == (labels == {"DiLoCo (synchronous)"})
-        if "Delayed Nesterov (N = 2M)" in labels:
+        if labels & {"Delayed Nesterov (N = 2M)", "Delayed Nesterov (N = 2M) + DyLU"}:
             assert arm.rule_options["buffer_size"] == 2 * arm.coords["M"]
+        assert arm.plan.delays.dylu == (labels == {"Delayed Nesterov (N = 2M) + DyLU"})
     # One cell, a tiny transformer, a few pushes: every series has a perplexity; a diverged one shows as "—".
     tiny = dataclasses.replace(
         study.quick, model_options={"width": 16, "depth": 1, "heads": 2}, seeds=(0,), epochs=0.5, workers=(4,)
@@ -209,3 +212,65 @@ def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_and_by_the
         "inner" not in Plan(4).describe()
         and Plan(4, push="delta", local_lr=0.1, inner="adamw").describe()["inner"] == "adamw"
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    speeds=st.lists(st.floats(0.01, 100.0), min_size=1, max_size=8),
+    n_sync=st.integers(1, 64),
+)
+def test_dylu_gives_each_worker_its_share_of_the_local_steps(speeds, n_sync):
+    law = delays.Workers(len(speeds), speeds=speeds, dylu=True)
+    steps = np.asarray(law.local_steps(n_sync))
+    assert steps.min() >= 1 and steps.max() == n_sync  # the fastest worker runs all of them
+    order = np.argsort(speeds, kind="stable")
+    assert np.all(np.diff(steps[order]) >= 0)  # a faster worker never runs fewer
+    expected = np.maximum(1, np.floor(np.float32(speeds) / np.float32(max(speeds)) * n_sync))
+    assert np.all(np.abs(steps - expected) <= 1)  # floor(v / max v * H), up to float32 rounding at an integer
+    plain = delays.Workers(len(speeds), speeds=speeds)
+    np.testing.assert_array_equal(plain.local_steps(n_sync), [n_sync] * len(speeds))
+
+
+def test_dylu_makes_a_half_speed_worker_push_as_often_and_take_half_the_local_steps():
+    # Constant times, worker 1 at half speed, H = 4: worker 1 runs 2 steps a period, so both push every 4 time units
+    # (ties to the lower id): the order 0, 1, 0, 1, ... and the shards' minibatches taken 4 and 2 a push.
+    law = delays.Workers(2, compute_time="constant", speeds=[1.0, 0.5], dylu=True)
+    num_updates = 10
+    ref, batches = OuterNesterov(0.5, 0.9), BatchOrder(0, num_shards=2)
+    sent = {m: ref.w.copy() for m in range(2)}
+    for worker in [0, 1] * (num_updates // 2):
+        w = sent[worker]
+        for _ in range(H if worker == 0 else H // 2):
+            a, y = batches.next(worker)
+            w = w - LOCAL_LR * lsq_grad(w, a, y)
+        ref.apply(sent[worker] - w)
+        sent[worker] = ref.w.copy()
+    result = simulate_lsq(rules.diloco(0.5), law, num_updates=num_updates, push="delta", n_sync=H, local_lr=LOCAL_LR)
+    np.testing.assert_array_equal(result.metrics["worker"], [0, 1] * (num_updates // 2))
+    np.testing.assert_allclose(result.metrics["time"], np.repeat(H * np.arange(1, 6), 2))
+    np.testing.assert_array_equal(result.state.data.taken, [H * 5, H // 2 * 5])
+    np.testing.assert_allclose(result.params, ref.w, rtol=1e-4, atol=1e-5)
+    # With equal speeds DyLU changes nothing.
+    same = lambda dylu: simulate_lsq(
+        rules.diloco(0.5), delays.Workers(3, dylu=dylu), num_updates=12, push="delta", n_sync=H, local_lr=LOCAL_LR
+    )
+    np.testing.assert_allclose(same(True).params, same(False).params, rtol=1e-6, atol=1e-7)
+
+
+def test_dylu_is_refused_outside_asynchronous_local_sgd_and_by_the_trainer():
+    from asgd_jax.errors import ConfigError
+    from asgd_jax.plan import Plan
+    from asgd_jax.trainer import TrainConfig
+
+    law = delays.Workers(4, speeds=[1.0, 0.5, 0.5, 0.25], dylu=True)
+    for bad in (
+        dict(mode="sync", push="delta", n_sync=4),
+        dict(push="delta", n_sync=1),
+        dict(n_sync=4, push="accumulate"),
+    ):
+        with pytest.raises(ConfigError, match=r"Workers\(dylu=True\) gives each worker its share"):
+            Plan(law, local_lr=0.1, **bad)
+    with pytest.raises(ConfigError, match="DyLU"):
+        TrainConfig(Plan(law, push="delta", n_sync=4, local_lr=0.1))
+    with pytest.raises(ConfigError, match="dylu"):
+        delays.Workers(2, dylu="yes")

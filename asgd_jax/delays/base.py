@@ -37,6 +37,8 @@ class Event(NamedTuple):
       worker: the pushing worker, when it is not the push slot (a ring of versions, :class:`Ringmaster`).
       busy: the workers' compute time so far, wasted work included (the models of the optimal-time methods).
       wasted: of ``busy``, the work that changed no weight: ignored gradients and stopped computations.
+      steps: the minibatches of the push's exchange period when they are fewer than ``n_sync`` (DyLU,
+        :attr:`Workers.dylu`); None: ``n_sync``.
     """
 
     push_slot: jax.Array
@@ -47,6 +49,7 @@ class Event(NamedTuple):
     worker: Any = None
     busy: Any = None
     wasted: Any = None
+    steps: Any = None
 
 
 class Round(NamedTuple):

@@ -88,6 +88,9 @@ class Workers(_Counted):
         latency + bytes / bandwidth of its worker's link (the sizes default to the weights', filled by the simulator).
       availability: optional :class:`Availability`: online windows and dropouts with a time of return; a computation
         that would begin while its worker is away begins when it is back.
+      dylu: Dynamic Local Updates (Liu et al. 2024, static): worker w runs only ``H_w = max(1, floor(v_w / max v *
+        H))`` of the plan's ``n_sync = H`` minibatches per exchange (:meth:`local_steps`; ``v_w = speeds[w] /
+        times[w]``, its speed), so that slow workers push as often as fast ones (asynchronous local SGD).
 
     Example:
       >>> import asgd_jax
@@ -108,9 +111,11 @@ class Workers(_Counted):
     times: Any = None
     links: Any = None
     availability: Any = None
+    dylu: bool = False
 
     def __post_init__(self):
         _check_int("num", self.num, 1)
+        errors.require(isinstance(self.dylu, bool), "dylu", self.dylu, "give True or False")
         if self.availability is not None:
             errors.require(
                 isinstance(self.availability, Availability),
@@ -211,10 +216,38 @@ class Workers(_Counted):
             base = base + noise * jnp.abs(jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.float32))
         return base
 
+    def local_steps(self, n_sync: int) -> jax.Array:
+        """Every worker's minibatches per exchange period (int32 ``[num]``): ``n_sync``, or with :attr:`dylu`
+        ``max(1, floor(v_w / max v * n_sync))``, ``v_w = speeds[w] / times[w]`` (the fastest runs all of them).
+
+        Example:
+          >>> import asgd_jax
+          >>> asgd_jax.delays.Workers(4, speeds=[1.0, 0.5, 0.25, 0.1], dylu=True).local_steps(8).tolist()
+          [8, 4, 2, 1]
+        """
+        speed = jnp.ones((self.num,), jnp.float32)
+        if self.speeds is not None:
+            speed = speed * jnp.asarray(self.speeds, jnp.float32)
+        if self.times is not None:
+            speed = speed / jnp.asarray(self.times, jnp.float32)
+        if not self.dylu:
+            return jnp.full((self.num,), n_sync, jnp.int32)
+        fastest = speed.max()
+        # (XLA divides by a reciprocal: 0.5 * 8 may come out 3.9999998. A millionth up keeps an exact share whole;
+        # the fastest runs all of them.)
+        steps = jnp.floor(speed / fastest * n_sync * (1.0 + 1e-6)).astype(jnp.int32)
+        return jnp.clip(jnp.where(speed >= fastest, n_sync, steps), 1, n_sync)
+
     def work_time(self, key: jax.Array, n_sync: int, worker: jax.Array | None = None) -> jax.Array:
-        """Time of one exchange period (``n_sync`` minibatches plus ``comm_time``, and the links' upload and download):
-        ``[num]``, or a scalar for one ``worker``."""
-        time = self.draw(key, (n_sync,), worker).sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
+        """Time of one exchange period (``n_sync`` minibatches, the first :meth:`local_steps` of them with DyLU, plus
+        ``comm_time``, and the links' upload and download): ``[num]``, or a scalar for one ``worker``."""
+        draws = self.draw(key, (n_sync,), worker)
+        if self.dylu:  # only the worker's own steps take time
+            steps = self.local_steps(n_sync)
+            steps = steps[worker] if worker is not None else steps[None, :]
+            rows = jnp.arange(n_sync, dtype=jnp.int32).reshape((n_sync,) + (1,) * (draws.ndim - 1))
+            draws = jnp.where(rows < steps, draws, 0.0)
+        time = draws.sum(axis=0) + jnp.asarray(self.comm_time, jnp.float32)
         if self.links is None:
             return time
         up, down = self.links.times(worker, key)
@@ -233,11 +266,12 @@ class Workers(_Counted):
         time = finish[worker]
         begins = time if self.availability is None else self.availability.begin(key, worker, time)
         finish = finish.at[worker].set(begins + self.work_time(key, n_sync, worker))
-        return finish, Event(worker, worker, worker, time)
+        steps = self.local_steps(n_sync)[worker] if self.dylu else None
+        return finish, Event(worker, worker, worker, time, steps=steps)
 
     def sync_time(self, key: jax.Array, n_sync: int = 1) -> jax.Array:
         """Duration of one synchronous round: the slowest worker sets the pace (the barrier)."""
         return self.work_time(key, n_sync).max()
 
 
-Workers = _pytree_dataclass(Workers, meta=("num", "compute_time"))
+Workers = _pytree_dataclass(Workers, meta=("num", "compute_time", "dylu"))

@@ -68,6 +68,7 @@ class _Schedule(NamedTuple):
     round_key: jax.Array | None
     busy: jax.Array | None = None  # float32: the workers' compute time so far (the optimal-time models only)
     wasted: jax.Array | None = None  # float32: of busy, the work that changed no weight
+    steps: jax.Array | None = None  # int32: the push's minibatches when fewer than n_sync (DyLU)
 
 
 def _keep(valid: jax.Array | None, i: jax.Array, new: Any, old: Any) -> Any:
@@ -88,6 +89,8 @@ def async_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, 
         # A replayed push rejected as NaN/Inf used up its minibatches: the shard moves past them (a drawn model's
         # skip is the literal 0, which leaves the program as it was).
         counters, used = carry[1][event.shard] + jnp.arange(n_sync, dtype=jnp.int32), n_sync
+        if event.steps is not None:  # DyLU: the period's own minibatches only (Workers.dylu never skips)
+            used = event.steps
         if not (isinstance(event.skip, int) and event.skip == 0):
             counters, used = counters + event.skip * n_sync, (1 + event.skip) * n_sync
         taken = carry[1].at[event.shard].add(used)
@@ -104,6 +107,7 @@ def async_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, 
         round_key=None,
         busy=events.busy,
         wasted=events.wasted,
+        steps=events.steps,
     )
     return schedule, delay_state, DataState(taken)
 
@@ -183,12 +187,12 @@ def _async_update(c: Ctx, srv: server.ServerState, workers: Any, x: _Schedule):
     batches = jax.tree.map(lambda a: a[x.indices], c.data)  # [n_sync, batch, ...]
     if workers is None:
         payload, model_state, loss, aux = exchange.work(
-            c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr
+            c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr, steps=x.steps
         )
     else:  # the pushing worker's own optimizer state, read and written back
         mine = jax.tree.map(lambda a: a[x.worker], workers)
         payload, model_state, loss, aux, mine = exchange.work(
-            c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr, mine
+            c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr, mine, steps=x.steps
         )
         workers = jax.tree.map(lambda a, b: a.at[x.worker].set(b), workers, mine)
     srv, staleness = server.exchange(
