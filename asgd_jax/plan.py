@@ -179,6 +179,12 @@ class Plan:
                 f"inner={self.inner!r} (--inner) is the optimizer of a worker's local steps, but this plan takes none "
                 f"(push={self.push!r}, n_sync={self.n_sync}): use push='delta' or n_sync > 1, or inner='sgd'."
             )
+        inner_law = getattr(self.delays, "workers", None)  # a cluster's law (Ringmaster, Overlapped, ...)
+        if getattr(inner_law, "dylu", False):
+            raise errors.ConfigError(
+                f"{type(self.delays).__name__} over Workers(dylu=True): DyLU is a plain Workers model's (its events "
+                "carry each push's steps); use Workers(M, dylu=True) itself."
+            )
         if getattr(self.delays, "dylu", False) and (self.mode != "async" or not local_steps or self.n_sync == 1):
             raise errors.ConfigError(
                 f"Workers(dylu=True) gives each worker its share of n_sync={self.n_sync} local steps in asynchronous "

@@ -272,5 +272,7 @@ def test_dylu_is_refused_outside_asynchronous_local_sgd_and_by_the_trainer():
             Plan(law, local_lr=0.1, **bad)
     with pytest.raises(ConfigError, match="DyLU"):
         TrainConfig(Plan(law, push="delta", n_sync=4, local_lr=0.1))
+    with pytest.raises(ConfigError, match=r"Ringmaster over Workers\(dylu=True\)"):
+        Plan(delays.Ringmaster(law, 2), push="delta", n_sync=4, local_lr=0.1)
     with pytest.raises(ConfigError, match="dylu"):
         delays.Workers(2, dylu="yes")
