@@ -251,7 +251,9 @@ def worker_function(
     ``loop``: how ``n_sync > 1`` local steps are compiled. ``"scan"``: one program (a GPU or TPU runs the period
     without asking the host); ``"steps"``: one program per minibatch, called ``n_sync`` times from Python, for XLA:CPU,
     which runs the convolutions of a ``lax.scan`` body several times slower than the same step compiled alone. The
-    same arithmetic either way (the replay tests hold for both)."""
+    same arithmetic either way (the replay tests hold for both). With an inner optimizer
+    (:attr:`Exchange.keeps_inner_state`) the function is one program taking the worker's state of it last and giving
+    the new state last."""
     layout, state_layout = layouts
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
@@ -268,6 +270,14 @@ def worker_function(
         )
         return layout.pack(payload), state_layout.pack(ms), value, aux
 
+    def run_inner(p, ms, b, k, v, w, inner):  # (a worker's inner optimizer: its state in and out, last)
+        payload, ms, value, aux, inner = work(
+            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr, inner
+        )
+        return layout.pack(payload), state_layout.pack(ms), value, aux, inner
+
+    if ex.keeps_inner_state:  # one program whatever the backend (the local steps scan the inner optimizer)
+        return jax.jit(run_inner)
     if loop == "scan" or ex.n_sync == 1:
         return jax.jit(run)
 

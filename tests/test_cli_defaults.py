@@ -13,7 +13,7 @@ from asgd_jax import cli, data, delays, models, rules, setups, studies
 from asgd_jax.cli.ablate import add_ablate
 from asgd_jax.cli.run import add_run
 from asgd_jax.cli.train import add_train
-from asgd_jax.plan import MODES, PUSHES
+from asgd_jax.plan import INNER, MODES, PUSHES
 from asgd_jax.trainer.config import BACKENDS, FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
 
@@ -98,6 +98,7 @@ CHOICES = {
     ("train", "unit"): list(setups.UNITS),
     ("train", "mode"): list(MODES),
     ("train", "push"): list(PUSHES),
+    ("train", "inner"): list(INNER),
     ("train", "backend"): list(BACKENDS),
     ("train", "on_worker_failure"): list(FAILURE_POLICIES),
     ("train", "on_nonfinite"): list(NONFINITE_POLICIES),

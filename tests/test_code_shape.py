@@ -183,9 +183,7 @@ def test_every_training_setting_is_a_flag_of_the_same_name():
             assert flags[field.name].default == getattr(TrainConfig(), field.name), field.name
     plan = TrainConfig().plan
     for field in dataclasses.fields(asgd_jax.Plan):
-        # --workers M; the simulator's chunk, virtual time and (until the trainer's workers keep its state) inner
-        # optimizer
-        if field.name in ("delays", "chunk", "time_budget", "inner"):
+        if field.name in ("delays", "chunk", "time_budget"):  # --workers M; the simulator's chunk and virtual time
             continue
         assert field.name in flags, f"Plan.{field.name} has no --{field.name.replace('_', '-')} flag"
         assert flags[field.name].default == getattr(plan, field.name), field.name

@@ -197,7 +197,7 @@ def test_an_inner_optimizer_compiles_once_for_every_local_lr_and_resumes_from_it
     jax.tree.map(np.testing.assert_array_equal, resumed.state.workers, full.state.workers)
 
 
-def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_and_by_the_trainer():
+def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_on_ray_and_on_resume():
     from asgd_jax.errors import ConfigError
     from asgd_jax.plan import Plan
     from asgd_jax.trainer import TrainConfig
@@ -206,8 +206,10 @@ def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_and_by_the
         Plan(4, inner="adamw")
     with pytest.raises(ConfigError, match=r"inner='lion' \(--inner\) is invalid: .*'sgd', 'momentum', 'adamw'"):
         Plan(4, push="delta", local_lr=0.1, inner="lion")
-    with pytest.raises(ConfigError, match=r"plan.inner='adamw' is invalid: the trainer's workers"):
-        TrainConfig(Plan(4, push="delta", local_lr=0.1, inner="adamw"))
+    inner = Plan(4, push="delta", local_lr=0.1, inner="adamw")
+    for bad in (dict(backend="ray"), dict(resume="auto", out="x")):
+        with pytest.raises(ConfigError, match=r"inner='adamw' \(--inner\) keeps each worker's optimizer state"):
+            TrainConfig(inner, **bad)
     assert (
         "inner" not in Plan(4).describe()
         and Plan(4, push="delta", local_lr=0.1, inner="adamw").describe()["inner"] == "adamw"
@@ -276,3 +278,25 @@ def test_dylu_is_refused_outside_asynchronous_local_sgd_and_by_the_trainer():
         Plan(delays.Ringmaster(law, 2), push="delta", n_sync=4, local_lr=0.1)
     with pytest.raises(ConfigError, match="dylu"):
         delays.Workers(2, dylu="yes")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_trainer_run_with_adamw_inner_steps_replays_in_the_simulator(tmp_path, mode):
+    # Each worker thread keeps its AdamW state across its applied pushes, as the simulator keeps its row.
+    from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+
+    from asgd_jax.plan import Plan
+    from asgd_jax.trainer import TrainConfig, train
+
+    sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw", mode=mode)
+    steps = 18 if mode == "async" else 6
+    config = TrainConfig(Plan(3, num_updates=steps, batch_size=4, **sync), seed=5, out=str(tmp_path), progress=False)
+    jax.config.update("jax_transfer_guard", "disallow")  # every host <-> device copy explicit, the state's too
+    try:
+        result = train(lsq_loss, rules.diloco(0.5), W0, DATA, config, devices=jax.devices()[:3])
+    finally:
+        jax.config.update("jax_transfer_guard", "allow")
+    trace = delays.Trace.load(result.trace_path, num=3) if mode == "async" else delays.Workers(3)
+    replay = simulate_clean(rules.diloco(0.5), trace, steps, key=5, **sync)
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+    assert result.pushes_applied == steps

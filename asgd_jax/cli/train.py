@@ -97,7 +97,7 @@ def _add_partition_flag(a, default) -> None:
 
 def add_train(sub) -> None:
     from asgd_jax import models, rules, setups
-    from asgd_jax.plan import MODES, PUSHES
+    from asgd_jax.plan import INNER, MODES, PUSHES
     from asgd_jax.trainer.config import FAILURE_POLICIES, NONFINITE_POLICIES, TrainConfig
 
     d, ds = TrainConfig(), setups.Setup()
@@ -146,6 +146,7 @@ def add_train(sub) -> None:
     a("--n-sync", type=int, default=dp.n_sync, help="minibatches between exchanges (GPU A-SGD)")
     a("--push", default=dp.push, choices=PUSHES, help="what --n-sync > 1 pushes")
     a("--local-lr", type=float, default=dp.local_lr, help="local step size when --n-sync > 1 [none]")
+    a("--inner", default=dp.inner, choices=INNER, help="each worker's optimizer of its local steps, at --local-lr")
     _add_partition_flag(a, dp.partition)
     a("--devices-per-worker", type=int, default=d.devices_per_worker, help="devices per worker (batch split)")
     a("--out", default="runs/train", help="the run's folder")
@@ -208,6 +209,7 @@ PLAN_FLAGS = (
     "n_sync",
     "push",
     "local_lr",
+    "inner",
     "partition",
     "eval_every",
     "checkpoint_every",

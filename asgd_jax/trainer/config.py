@@ -101,6 +101,7 @@ class TrainConfig:
         flag = lambda name: "--" + name.replace("_", "-")
         plan = self.plan
         _check_plan(plan)
+        self._check_inner()
         errors.int_at_least("devices_per_worker", self.devices_per_worker, 1, flag("devices_per_worker"))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))
@@ -222,6 +223,21 @@ class TrainConfig:
         """Updates between checkpoints with an output folder: the plan's (:meth:`asgd_jax.Plan.checkpoint_interval`)."""
         return None if self.out is None else self.plan.checkpoint_interval()
 
+    def _check_inner(self) -> None:
+        """An inner optimizer's state lives in the threads backend's workers: not (yet) in a checkpoint or on Ray."""
+        if self.plan.inner == "sgd":
+            return
+        for name, ok in (("backend", self.backend == "threads"), ("resume", not self.resume)):
+            errors.require(
+                ok,
+                name,
+                getattr(self, name),
+                f"inner={self.plan.inner!r} (--inner) keeps each worker's optimizer state in the threads backend's "
+                "workers, not yet in a checkpoint or a Ray actor: use backend='threads' and start afresh, or "
+                "inner='sgd'",
+                f"--{name}",
+            )
+
     def eval_interval(self) -> int:
         """Updates between evaluations: the plan's (:meth:`asgd_jax.Plan.eval_interval`, the simulator's too)."""
         return self.plan.eval_interval()
@@ -249,11 +265,4 @@ def _check_plan(plan: Any) -> None:
         "plan.delays",
         plan.delays,
         "DyLU (Workers(dylu=True)) is the simulator's for now: the trainer's workers all take n_sync steps",
-    )
-    errors.require(
-        plan.inner == "sgd",
-        "plan.inner",
-        plan.inner,
-        "the trainer's workers take plain SGD local steps for now (a worker's inner optimizer state is kept by "
-        "the simulator only): run it with asgd_jax.simulate, or use inner='sgd'",
     )

@@ -269,6 +269,14 @@ class Worker:
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
         one_program = loop == "scan" or ex.n_sync == 1
         self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None
+        self.computed = self.computed and not ex.keeps_inner_state  # (the store does not keep a worker's own state)
+        # The worker's state of its inner optimizer, on its devices, kept across its applied pushes (None: plain SGD).
+        self.inner: Any = None
+        if "inner init" not in shared:
+            shared["inner init"] = jax.jit(
+                lambda packed: exchange.inner_optimizer(ex.inner, 0.0).init(setup.layouts[0].unpack(packed))
+            )
+        self._inner_init = shared["inner init"]
 
     def _start(self) -> tuple[Weights, ShardLoader]:
         """The weights to compute at and a loader at the data position, from what the store knows."""
@@ -286,10 +294,17 @@ class Worker:
         return weights, loader
 
     def _compute(self, weights: Weights, batches: Any):
-        """The exchange period at ``weights`` on ``batches``, dispatched (not waited for)."""
+        """The exchange period at ``weights`` on ``batches``, dispatched (not waited for); with an inner optimizer its
+        new state is the last output (kept by :meth:`run` once the push is applied)."""
         inputs = self.group.place(self.setup.worker, weights.params, weights.model_state, batches, weights.version)
+        if not self.setup.exchange.keeps_inner_state:
+            with self.group.feeding():
+                return self.work(*inputs)
+        if self.inner is None:  # the worker's first state, from the weights' shapes, placed on its devices (a state
+            # that reads no input comes out of jit on the default device, whatever the input's)
+            self.inner = jax.device_put(self._inner_init(inputs.params), self.group.replicated)
         with self.group.feeding():
-            return self.work(*inputs)
+            return self.work(*inputs, self.inner)
 
     def warm_up(self) -> None:
         """Compiles the exchange-period function on one of this worker's minibatches (before a run's clock starts)."""
@@ -344,6 +359,8 @@ class Worker:
                 stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=loss)
                 if answer.status == "ok":
                     weights = answer.fresh()
+                    if s.exchange.keeps_inner_state:  # applied: the period's steps count (not a rejected one's)
+                        self.inner = out[4]
                 elif answer.status == "closed":
                     break
                 else:  # "rejected" (NaN/Inf: its minibatches are used up) or "resync": start again from the store
