@@ -217,6 +217,7 @@ _GRAMMAR: dict[str, list[tuple[float, tuple[str, ...]]]] = {
     "ADV": _words("often:1 rarely:1 quietly:1 today:1"),
     "CONJ": [(0.6, ("and",)), (0.4, ("but",))],
 }
+TEXT_WINDOW = 64  # characters per example of a text corpus (the grammar's too)
 GRAMMAR_ALPHABET = " .abcdefghijklmnopqrstuvwxyz"  # index 0 is the space
 
 
@@ -242,7 +243,7 @@ def grammar_text(num_chars: int, seed: int) -> str:
 
 
 @functools.cache
-def _grammar(seed: int, seq_len: int = 64, train: int = 4096, test: int = 512) -> Dataset:
+def _grammar(seed: int, seq_len: int = TEXT_WINDOW, train: int = 4096, test: int = 512) -> Dataset:
     """Sequences of ``seq_len`` characters cut from a stream of grammar sentences, the target the next character."""
     table = np.full(128, -1, np.int32)
     table[[ord(c) for c in GRAMMAR_ALPHABET]] = np.arange(len(GRAMMAR_ALPHABET))
@@ -350,9 +351,6 @@ def _read_texts(source) -> str:
     """A text split's examples joined by newlines (bytes read as UTF-8)."""
     texts = (r["text"] for r in _records(source))
     return "\n".join(t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t) for t in texts)
-
-
-TEXT_WINDOW = 64  # characters per example of a text corpus (the grammar's too)
 
 
 def _text_dataset(name: str, train: str, test: str, seq_len: int = TEXT_WINDOW) -> Dataset:

@@ -182,23 +182,14 @@ def work(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, l
 def _work_inner(grad_fn: Callable, ex: Exchange, params0, model_state0, batches, key, local_lr, inner_state, steps):
     """:func:`work` with the worker's inner optimizer (plain SGD when ``inner_state`` is ``()``) and its own number of
     steps (``steps``; None: all): every counted minibatch's gradient summed and stepped with it."""
-    opt = inner_optimizer(ex.inner, local_lr)
-    local_steps, plain = ex.push != "accumulate", isinstance(inner_state, tuple) and not inner_state
+    plain = isinstance(inner_state, tuple) and not inner_state
+    opt = None if plain else inner_optimizer(ex.inner, local_lr)
 
     def step(carry, inputs):
-        batch, i = inputs
-        params, model_state, acc, opt_state = carry
-        at = params if local_steps else params0
-        (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
-        new = (params, model_state, jax.tree.map(jnp.add, acc, g), opt_state)
-        if local_steps and plain:  # (plain SGD, as _local_step)
-            new = (jax.tree.map(lambda p, x: p - local_lr * x, params, g), *new[1:])
-        elif local_steps:
-            updates, opt_state = opt.update(g, opt_state, params)
-            new = (optax.apply_updates(params, updates), model_state, new[2], opt_state)
+        new, out = _local_step(grad_fn, ex, params0, key, local_lr, carry, inputs, opt)
         if steps is not None:  # DyLU: a step past the worker's own changes nothing
-            new = jax.tree.map(lambda n, o: jnp.where(i < steps, n, o), new, carry)
-        return new, (loss, aux)
+            new = jax.tree.map(lambda n, o: jnp.where(inputs[1] < steps, n, o), new, carry)
+        return new, out
 
     first = (*_first_carry(params0, model_state0), inner_state)
     carry, (losses, auxes) = jax.lax.scan(step, first, (batches, jnp.arange(ex.n_sync)))
@@ -212,18 +203,22 @@ def _first_carry(params0, model_state0):
     return params0, model_state0, jax.tree.map(jnp.zeros_like, params0)
 
 
-def _local_step(grad_fn: Callable, ex: Exchange, params0, key, local_lr, carry, inputs):
-    """The i-th minibatch of an exchange period: its gradient, summed, and a local SGD step (unless ``accumulate``,
-    whose gradients are all taken at the pulled weights)."""
-    params, model_state, acc = carry
+def _local_step(grad_fn: Callable, ex: Exchange, params0, key, local_lr, carry, inputs, opt=None):
+    """The i-th minibatch of an exchange period: its gradient, summed, and a local step (unless ``accumulate``,
+    whose gradients are all taken at the pulled weights): plain SGD, or with ``opt`` the worker's inner optimizer,
+    whose state then ends ``carry``."""
+    params, model_state, acc, *inner = carry
     batch, i = inputs
     local_steps = ex.push != "accumulate"
     at = params if local_steps else params0
     (loss, (model_state, aux)), g = grad_fn(at, model_state, batch, jax.random.fold_in(key, i))
     acc = jax.tree.map(jnp.add, acc, g)
-    if local_steps:
+    if local_steps and opt is None:
         params = jax.tree.map(lambda p, x: p - local_lr * x, params, g)
-    return (params, model_state, acc), (loss, aux)
+    elif local_steps:
+        updates, opt_state = opt.update(g, inner[0], params)
+        params, inner = optax.apply_updates(params, updates), [opt_state]
+    return (params, model_state, acc, *inner), (loss, aux)
 
 
 def _period_end(ex: Exchange, params0, carry, losses, auxes):

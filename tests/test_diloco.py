@@ -29,11 +29,13 @@ class OuterNesterov:
         self.w = self.w - self.lr * (self.beta * self.m + delta if self.nesterov else self.m)
 
 
-def _local(w, worker, batches):
-    """H local SGD steps from ``w`` on the worker's next H minibatches: its weights after them."""
-    for _ in range(H):
+def _local(w, worker, batches, opt=None, steps=H):
+    """``steps`` local steps from ``w`` on the worker's next minibatches, plain SGD or the worker's own optimizer
+    ``opt`` (its state lasting across the worker's periods): its weights after them."""
+    for _ in range(steps):
         a, y = batches.next(worker)
-        w = w - LOCAL_LR * lsq_grad(w, a, y)
+        g = lsq_grad(w, a, y)
+        w = w - LOCAL_LR * g if opt is None else opt.step(w, g)
     return w
 
 
@@ -132,20 +134,12 @@ class NesterovSGD:
         return w - self.lr * (g + self.beta * self.trace)
 
 
-def _local_with(w, worker, batches, opt):
-    """H local steps of the worker's own optimizer ``opt`` (its state lasts across the worker's periods)."""
-    for _ in range(H):
-        a, y = batches.next(worker)
-        w = opt.step(w, lsq_grad(w, a, y))
-    return w
-
-
 def test_synchronous_diloco_with_adamw_inner_steps_keeps_each_workers_state_across_rounds():
     num, rounds, inner_lr = 3, 5, 0.02
     ref, batches = OuterNesterov(0.7, 0.9), BatchOrder(0, num_shards=num)
     inner = [AdamW(inner_lr) for _ in range(num)]
     for _ in range(rounds):
-        ref.apply(np.mean([ref.w - _local_with(ref.w, m, batches, inner[m]) for m in range(num)], axis=0))
+        ref.apply(np.mean([ref.w - _local(ref.w, m, batches, inner[m]) for m in range(num)], axis=0))
     result = simulate_lsq(
         rules.diloco(0.7),
         delays.Workers(num),
@@ -167,7 +161,7 @@ def test_asynchronous_diloco_with_momentum_inner_steps_over_a_recorded_order():
     inner = [NesterovSGD(inner_lr) for _ in range(num)]
     sent = {m: ref.w.copy() for m in range(num)}
     for worker in map(int, order):
-        ref.apply(sent[worker] - _local_with(sent[worker], worker, batches, inner[worker]))
+        ref.apply(sent[worker] - _local(sent[worker], worker, batches, inner[worker]))
         sent[worker] = ref.w.copy()
     result = simulate_lsq(
         rules.diloco(0.3), delays.Trace(order, num=num), num_updates=len(order), push="delta", n_sync=H,
@@ -241,11 +235,7 @@ def test_dylu_makes_a_half_speed_worker_push_as_often_and_take_half_the_local_st
     ref, batches = OuterNesterov(0.5, 0.9), BatchOrder(0, num_shards=2)
     sent = {m: ref.w.copy() for m in range(2)}
     for worker in [0, 1] * (num_updates // 2):
-        w = sent[worker]
-        for _ in range(H if worker == 0 else H // 2):
-            a, y = batches.next(worker)
-            w = w - LOCAL_LR * lsq_grad(w, a, y)
-        ref.apply(sent[worker] - w)
+        ref.apply(sent[worker] - _local(sent[worker], worker, batches, steps=H if worker == 0 else H // 2))
         sent[worker] = ref.w.copy()
     result = simulate_lsq(rules.diloco(0.5), law, num_updates=num_updates, push="delta", n_sync=H, local_lr=LOCAL_LR)
     np.testing.assert_array_equal(result.metrics["worker"], [0, 1] * (num_updates // 2))

@@ -14,7 +14,7 @@ import jax
 import optax
 
 from asgd_jax.recipes import recipe
-from asgd_jax.rules import common
+from asgd_jax.rules.async_sgd import asgd
 from asgd_jax.rules.common import ScalarOrSchedule
 
 
@@ -52,4 +52,4 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023 (arXiv 2311.08105);
       Liu et al., "Asynchronous Local-SGD Training for Language Modeling", 2024 (arXiv 2401.09135).
     """
-    return optax.with_extra_args_support(common.sgd(learning_rate, momentum, nesterov))
+    return asgd(learning_rate, momentum=momentum, nesterov=nesterov)  # (asgd's step, DiLoCo's defaults)
