@@ -170,6 +170,7 @@ def test_the_leaderboard_grid_is_the_issues():
             rules_per_cell.setdefault((a.coords["cluster"], a.coords["M"]), {}).setdefault(v.label, set()).add(v.lr)
     expected = {"ASGD", "DC-ASGD-c", "DC-ASGD-a", "staleness-aware", "delay-adaptive", "Gap-Aware", "DANA-Zero"}
     expected |= {"Delayed Nesterov", "SSGD", "delay-threshold (Koloskova)"}
+    expected |= {"async DiLoCo", "FADAS", "CGAD"}  # issue #37's rules: the DiLoCo line and the adaptive server rules
     expected |= {"Ringmaster (stops)", "Rennala (stops)", "m-Synchronous"}  # the optimal-time methods, R = S = m = M/2
     for cell in cells:
         assert set(rules_per_cell[cell]) == expected
@@ -180,6 +181,11 @@ def test_the_leaderboard_grid_is_the_issues():
     assert all(
         a.plan.n_sync > 1 and a.plan.push == "delta" and a.rule_options["buffer_size"] == a.plan.workers for a in dn
     )
+    local = [a for a in arms if a.variants[0].rule == "diloco"]
+    assert all(a.plan.n_sync > 1 and a.plan.push == "delta" and a.plan.mode == "async" for a in local)
+    for rule, options in [("fadas", ("buffer_size", "delay_threshold")), ("cgad", ("cutoff", "decay"))]:
+        mine = [a for a in arms if a.variants[0].rule == rule]
+        assert all(a.plan.n_sync == 1 and a.rule_options.keys() == set(options) for a in mine)
     slow = [a for a in arms if a.coords["cluster"] == "half at half speed"]
     half = lambda m: [0.5] * (m // 2) + [1.0] * (m // 2)
     law = lambda a: getattr(a.plan.delays, "workers", a.plan.delays)  # the optimal-time clusters' Workers law

@@ -5,7 +5,11 @@ Rules: ASGD; DC-ASGD-c and -a (Zheng et al. 2017); staleness-aware (Zhang et al.
 min(1, M / tau), Mishchenko et al. 2022: plain ASGD unless a gradient is more than M updates stale) and Koloskova et
 al.'s form (2022, Theorem 8, with c = 0: a gradient more than M stale is dropped); Gap-Aware (Barkai et al. 2020);
 DANA-Zero (Hakimi et al. 2019: momentum per worker and a look-ahead pull); Delayed Nesterov (Liu et al. 2024:
-local-SGD workers, n_sync 4, pushing deltas); the optimal-time methods: Ringmaster ASGD with stops (Maranjyan et al.
+local-SGD workers, n_sync 4, pushing deltas) and asynchronous DiLoCo (the same workers, each delta applied on arrival
+with DiLoCo's outer Nesterov step: the baseline Delayed Nesterov repairs); the asynchronous adaptive server rules FADAS
+(Wang et al. 2024: an AMSGrad step on every M pushes, delay-adaptive past tau_c = 1 server step) and CGAD (2026: Adam on
+each push scaled by its age, its cutoff at 2M pushes and decay 1/M, the scale of M - 1, a push's typical staleness);
+the optimal-time methods: Ringmaster ASGD with stops (Maranjyan et al.
 2025, R = M/2), Rennala SGD with stops (Tyurin & Richtárik 2023, S = M/2), m-Synchronous SGD (Begunov & Tyurin 2026,
 m = M/2); SSGD (minibatch SGD, m = M) and sequential SGD (one worker) as references. Clusters of M in {4, 16, 32}
 workers: uniform (exponential compute times), half the cluster at half speed, a fixed delay (constant compute times:
@@ -27,8 +31,8 @@ import dataclasses
 
 from asgd_jax import delays
 from asgd_jax.experiments._dcasgd import variant
+from asgd_jax.experiments._tuned import LR_GRID, sequential_reference
 from asgd_jax.experiments._tuned import lrs as _lrs
-from asgd_jax.experiments._tuned import sequential_reference
 from asgd_jax.plan import Plan
 from asgd_jax.studies import DCASGD_CIFAR10, Arm, Settings, Study, Table, Tuning, Variant
 
@@ -46,8 +50,12 @@ def clusters(m: int) -> dict[str, dict]:
 
 
 #: The learning-rate grid is ``_tuned.LR_GRID``; DANA's momentum 0.9 takes a fifth of it, SSGD's mean of M gradients
-#: twice it, Delayed Nesterov's outer rate on deltas is its own.
+#: twice it, Delayed Nesterov's outer rate on deltas is its own, asynchronous DiLoCo's the grid's factors times the
+#: papers' 0.7 (Liu et al.'s asynchronous toy used a tenth of it), the Adam-type server rules' (FADAS, CGAD) a twentieth
+#: of the grid (2.5e-3 to 2e-2 at the quick form's 0.4).
 DN_OUTER = (0.5, 1.0, 2.0, 4.0)
+DILOCO_OUTER = tuple(round(0.7 * f, 6) for f in LR_GRID)
+ADAM_SCALE = 1 / 20
 LAM_C = (0.04, 0.2)
 LAM_A = (1.0, 4.0)
 
@@ -72,6 +80,9 @@ def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
     # Delayed Nesterov's grid is of the outer learning rate on the pushed deltas (1.0 adds their mean); the workers'
     # local steps use half the settings' learning rate.
     outer = tuple(Variant("Delayed Nesterov", rule="delayed_nesterov", lr=f) for f in DN_OUTER)
+    diloco = tuple(Variant("async DiLoCo", rule="diloco", lr=f) for f in DILOCO_OUTER)
+    fadas = tuple(Variant("FADAS", rule="fadas", lr=lr) for lr in _lrs(s, ADAM_SCALE))
+    cgad = tuple(Variant("CGAD", rule="cgad", lr=lr) for lr in _lrs(s, ADAM_SCALE))
     plan = Plan(s.cluster(m, **kwargs))
     local_sgd = plan.replace(n_sync=4, push="delta", local_lr=0.5 * s.learning_rate)
     # The optimal-time methods: what to use, ignore or stop is the cluster's (plain SGD at the server), with R, S and m
@@ -81,6 +92,9 @@ def rule_arms(s: Settings, m: int, cluster: str, kwargs: dict) -> list[Arm]:
     return [
         Arm(c, plan, variants=tuple(push)),
         Arm(c, local_sgd, variants=outer, rule_options={"buffer_size": m}),
+        Arm(c, local_sgd, variants=diloco),
+        Arm(c, plan, variants=fadas, rule_options={"buffer_size": m, "delay_threshold": 1}),
+        Arm(c, plan, variants=cgad, rule_options={"cutoff": 2 * m, "decay": 1 / m}),
         Arm(c, plan.replace(mode="sync"), variants=tuple(variant("SSGD", lr=lr) for lr in _lrs(s, 2.0))),
         Arm(c, Plan(delays.Ringmaster(law, half, stops=True)), variants=sgd("Ringmaster (stops)", _lrs(s))),
         Arm(c, Plan(delays.Rennala(law, half, stops=True)), variants=sgd("Rennala (stops)", _lrs(s, 2.0))),
