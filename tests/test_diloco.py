@@ -191,7 +191,7 @@ def test_an_inner_optimizer_compiles_once_for_every_local_lr_and_resumes_from_it
     jax.tree.map(np.testing.assert_array_equal, resumed.state.workers, full.state.workers)
 
 
-def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_on_ray_and_on_resume():
+def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_and_on_ray():
     from asgd_jax.errors import ConfigError
     from asgd_jax.plan import Plan
     from asgd_jax.trainer import TrainConfig
@@ -201,9 +201,9 @@ def test_an_inner_optimizer_is_refused_where_there_are_no_local_steps_on_ray_and
     with pytest.raises(ConfigError, match=r"inner='lion' \(--inner\) is invalid: .*'sgd', 'momentum', 'adamw'"):
         Plan(4, push="delta", local_lr=0.1, inner="lion")
     inner = Plan(4, push="delta", local_lr=0.1, inner="adamw")
-    for bad in (dict(backend="ray"), dict(resume="auto", out="x")):
-        with pytest.raises(ConfigError, match=r"inner='adamw' \(--inner\) keeps each worker's optimizer state"):
-            TrainConfig(inner, **bad)
+    with pytest.raises(ConfigError, match=r"inner='adamw' \(--inner\) keeps each worker's optimizer state"):
+        TrainConfig(inner, backend="ray")
+    assert TrainConfig(inner, resume="auto", out="x").resume  # (its checkpoints hold the workers' states)
     assert (
         "inner" not in Plan(4).describe()
         and Plan(4, push="delta", local_lr=0.1, inner="adamw").describe()["inner"] == "adamw"
@@ -290,3 +290,29 @@ def test_a_trainer_run_with_adamw_inner_steps_replays_in_the_simulator(tmp_path,
     replay = simulate_clean(rules.diloco(0.5), trace, steps, key=5, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
     assert result.pushes_applied == steps
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_resumed_trainer_run_with_adamw_inner_steps_gets_each_workers_state_back_and_replays(tmp_path, mode):
+    # The store keeps each worker's AdamW state as of its last applied push and checkpoints it; a resumed worker goes
+    # on from it. The trace of the whole run then replays in the simulator (whose workers never lost theirs).
+    from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+
+    from asgd_jax.plan import Plan
+    from asgd_jax.trainer import TrainConfig, train
+
+    sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw", mode=mode)
+    first, steps = (9, 18) if mode == "async" else (3, 6)
+    config = lambda n, **kw: TrainConfig(
+        Plan(3, num_updates=n, batch_size=4, **sync), seed=5, out=str(tmp_path), progress=False, **kw
+    )
+    run = lambda n, **kw: train(lsq_loss, rules.diloco(0.5), W0, DATA, config(n, **kw), devices=jax.devices()[:3])
+    run(first)
+    with np.load(tmp_path / "checkpoint.npz") as f:
+        kept = [k.split("_")[2:] for k in f.files if k.startswith("array_inner_")]  # (worker, leaf)
+    assert {w for w, _ in kept} == {"0", "1", "2"} and len(kept) == 3 * len({i for _, i in kept}) > 3
+    result = run(steps, resume=True)
+    assert result.resumed_from == first and result.pushes_applied == steps
+    trace = delays.Trace.load(result.trace_path, num=3) if mode == "async" else delays.Workers(3)
+    replay = simulate_clean(rules.diloco(0.5), trace, steps, key=5, **sync)
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)

@@ -53,7 +53,8 @@ class Applier:
         self._thread.start()
 
     def put(self, item: tuple) -> None:
-        """Queues ``(worker, payload, model_state, pulled_version, round_info, packed, future)``; after :meth:`stop`
+        """Queues ``(worker, payload, model_state, pulled_version, round_info, packed, inner, future)`` (``inner``: the
+        inner-optimizer states to keep once it is applied, by worker, or ``None``); after :meth:`stop`
         (a push that passed the store's closed check just before it closed) it is rejected as late at once.
 
         Pipelined, the pushing thread applies its push itself, under the gate (which orders the pushes as a queue
@@ -125,7 +126,7 @@ class Applier:
                 store.ledger.rejected += 1
             item[-1].set_exception(StoreClosed(store.closed_reason()))
 
-    def _apply(self, worker, payload, model_state, pulled_version, round_info, packed, future: Future) -> float:
+    def _apply(self, worker, payload, model_state, pulled_version, round_info, packed, inner, future: Future) -> float:
         """One push: rejected (late, non-finite), ignored, or applied with the server step, traced, and answered; the
         seconds its exchange program took (to its answer on the host)."""
         store = self.store
@@ -146,7 +147,7 @@ class Applier:
             future.set_result(store.pull(worker, packed=packed))
             return waited
         if store.pipelined:
-            seconds = self._dispatch(worker, payload, model_state, round_info, packed, future)
+            seconds = self._dispatch(worker, payload, model_state, round_info, packed, inner, future)
             self.settle(keep=1)  # (gone ahead: the push before it, while this one computes)
             return waited + seconds
         with store.lock:
@@ -155,6 +156,7 @@ class Applier:
             seconds = time.perf_counter() - t0
             if out.ok:
                 store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
+                store.ledger.keep_inner(inner)
                 self._after_update(out.sound, out.answer)
                 result = (*store.reply(out.answer, packed), store.applied)
         if not out.ok:  # NaN/Inf: the exchange left the state as it was
@@ -184,7 +186,7 @@ class Applier:
         every = self.store.snapshot_every
         return every is not None and every > 0 and applied % every == 0
 
-    def _dispatch(self, worker, payload, model_state, round_info, packed, future: Future) -> float:
+    def _dispatch(self, worker, payload, model_state, round_info, packed, inner, future: Future) -> float:
         """Pipelined: dispatches the push's exchange (or, :class:`~asgd_jax.trainer.messages.Computed`, the worker's
         period with it) and answers at once with its outputs on the device; the seconds it took."""
         store = self.store
@@ -194,7 +196,7 @@ class Applier:
                 dispatched, loss = store.server.dispatch_computed(worker, payload)
             else:
                 dispatched, loss = store.server.dispatch(worker, payload, model_state), None
-            self._pending.append((worker, round_info, dispatched))
+            self._pending.append((worker, round_info, inner, dispatched))
         answer = (*dispatched.answer, dispatched.version) if packed else self._unpacked(dispatched)
         future.set_result(answer if loss is None else (*answer, loss))
         return time.perf_counter() - t0
@@ -213,11 +215,12 @@ class Applier:
                 with self.store.lock:
                     if len(self._pending) <= keep:
                         return
-                    worker, round_info, dispatched = self._pending.popleft()
+                    worker, round_info, inner, dispatched = self._pending.popleft()
                     out = self.store.server.settle(dispatched)
                     pulled_version = self.store.applied - out.staleness  # the store's own record
                     if out.ok:
                         self.store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
+                        self.store.ledger.keep_inner(inner)
                         self._after_update(out.sound, out.answer)
                 if out.ok:
                     self.store.notify_version()

@@ -224,19 +224,18 @@ class TrainConfig:
         return None if self.out is None else self.plan.checkpoint_interval()
 
     def _check_inner(self) -> None:
-        """An inner optimizer's state lives in the threads backend's workers: not (yet) in a checkpoint or on Ray."""
+        """An inner optimizer's state lives in the threads backend's workers (and the store's checkpoints): not on
+        Ray's actors yet."""
         if self.plan.inner == "sgd":
             return
-        for name, ok in (("backend", self.backend == "threads"), ("resume", not self.resume)):
-            errors.require(
-                ok,
-                name,
-                getattr(self, name),
-                f"inner={self.plan.inner!r} (--inner) keeps each worker's optimizer state in the threads backend's "
-                "workers, not yet in a checkpoint or a Ray actor: use backend='threads' and start afresh, or "
-                "inner='sgd'",
-                f"--{name}",
-            )
+        errors.require(
+            self.backend == "threads",
+            "backend",
+            self.backend,
+            f"inner={self.plan.inner!r} (--inner) keeps each worker's optimizer state in the threads backend's "
+            "workers, not yet in a Ray actor: use backend='threads', or inner='sgd'",
+            "--backend",
+        )
 
     def eval_interval(self) -> int:
         """Updates between evaluations: the plan's (:meth:`asgd_jax.Plan.eval_interval`, the simulator's too)."""

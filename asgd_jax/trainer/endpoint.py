@@ -81,15 +81,17 @@ class Endpoint:
             kind, self._push_async
         )
 
-    def _push_async(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, timeout, *, packed: bool):
-        return self.store.push(worker, payload, version, model_state, packed=packed).result(timeout=timeout)
+    def _push_async(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, timeout, **how: Any):
+        return self.store.push(worker, payload, version, model_state, **how).result(timeout=timeout)
 
     def sync(self, worker: int) -> Sync:
         """``worker``'s backup (the weights it last pulled, packed host buffers) and its data position."""
         params, model_state, version = self.store.packed_backup(0 if self.discipline.rounds else worker)
         # A round method's workers read their own shards at their own pace; SSGD's all at the rounds'.
         position = self.store.ledger.positions[0 if self.discipline.kind == "ssgd" else worker]
-        return Sync(Weights(params, model_state, version), int(position))
+        with self.store.lock:
+            inner = self.store.ledger.inner.get(worker)
+        return Sync(Weights(params, model_state, version), int(position), inner)
 
     def pull(self, worker: int) -> Weights:
         """The current weights for ``worker`` (recorded as its backup): where a stopped computation restarts. In a
@@ -103,10 +105,16 @@ class Endpoint:
         applied = self.store.wait_version(version, timeout)
         return -1 if self.store.closed else applied
 
-    def push(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, loss: SupportsFloat) -> Answer:
-        """Applies a push of packed buffers (or the round it completes) and answers it with packed weights."""
+    def push(
+        self, worker: int, payload: Any, version: SupportsInt, model_state: Any, loss: SupportsFloat, inner: Any = None
+    ) -> Answer:
+        """Applies a push of packed buffers (or the round it completes) and answers it with packed weights;
+        ``inner``: the worker's inner-optimizer state after it (kept for the checkpoints once it is applied)."""
         try:
-            weights = self._push(worker, payload, version, model_state, self.timeout, packed=True)
+            how: dict[str, Any] = {"packed": True}
+            if inner is not None:  # (a round keeps each of its workers' states: the store's push, by worker)
+                how["inner"] = inner if self.discipline.rounds else {worker: inner}
+            weights = self._push(worker, payload, version, model_state, self.timeout, **how)
         except StaleRound as e:
             if self.discipline.gather is not None:  # a computation its round's end stopped: again, same minibatches
                 return Answer("restart", self.pull(worker), str(e))

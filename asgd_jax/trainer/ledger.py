@@ -2,8 +2,10 @@
 
 ``received == applied + rejected + ignored`` always: the store counts a push as received when it arrives and writes it
 down once, in the order it handled it, as applied, rejected (``late`` among them: after the store closed) or ignored. A
-checkpoint holds the books (:meth:`Ledger.header`, :meth:`Ledger.arrays`) and a resume reads them back
-(:meth:`Ledger.restore`). Not thread-safe: the store calls it under its lock.
+checkpoint holds the books (:meth:`Ledger.header`, :meth:`Ledger.arrays`), with each worker's inner-optimizer state
+as of its last applied push (``Plan(inner=...)``: kept by reference at the apply, copied to the host for a
+checkpoint), and a resume reads them back (:meth:`Ledger.restore`). Not thread-safe: the store calls it under its
+lock.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import collections
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from asgd_jax import trace
@@ -42,6 +45,8 @@ class Ledger:
         self.resumed_from = 0
         self.streak = 0  # consecutive non-finite pushes
         self.trace: trace.Writer | None = None
+        # Per worker: the leaves of its inner optimizer's state after its last applied push (on its devices).
+        self.inner: dict[int, list] = {}
         self._t0 = time.perf_counter()
 
     def open_trace(self, keep: int, sha256: str | None) -> None:
@@ -57,6 +62,12 @@ class Ledger:
         self._use_minibatches(worker, round_info)
         self.staleness_counts[staleness] += 1
         self._write(worker, pulled_version, staleness, round_info=round_info)  # what the server step saw
+
+    def keep_inner(self, states: Mapping[int, Any] | None) -> None:
+        """The inner-optimizer states of an applied push's workers (a round's: each of its workers'), by reference,
+        for the checkpoints (``None``: a run without them)."""
+        if states:
+            self.inner.update({int(w): jax.tree.leaves(s) for w, s in states.items()})
 
     def rejected_push(self, worker: int, pulled_version: int, round_info: tuple | None = None) -> int:
         """A NaN/Inf push (its minibatches are used up, which the trace records so that a replay skips them too);
@@ -142,8 +153,10 @@ class Ledger:
         return {**counts, "ignored": self.ignored, **pinned, "staleness_counts": staleness}
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays a checkpoint holds: each worker's data position."""
-        return {"positions": self.positions.copy()}
+        """The arrays a checkpoint holds: each worker's data position and inner-optimizer state (host copies)."""
+        inner = jax.device_get(self.inner)  # (explicit: the states lie on the workers' devices)
+        leaves = {f"inner_{w}_{i}": np.array(x, copy=True) for w, xs in inner.items() for i, x in enumerate(xs)}
+        return {"positions": self.positions.copy(), **leaves}
 
     def restore(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """The books of a checkpoint (its header and arrays)."""
@@ -155,3 +168,7 @@ class Ledger:
         self.positions = np.asarray(arrays["positions" if "positions" in arrays else "done"], np.int64).copy()
         self.staleness_counts.update({int(k): v for k, v in header["staleness_counts"].items()})
         self.resumed_from = self.applied
+        found = sorted((tuple(map(int, k.split("_")[1:])), v) for k, v in arrays.items() if k.startswith("inner_"))
+        self.inner = {}
+        for (w, _), x in found:
+            self.inner.setdefault(w, []).append(np.asarray(x))

@@ -44,10 +44,12 @@ class Weights(NamedTuple):
 
 
 class Sync(NamedTuple):
-    """Where a worker (re)starts: its backup in the store and its data position (pushes applied or rejected)."""
+    """Where a worker (re)starts: its backup in the store, its data position (pushes applied or rejected) and the
+    leaves of its inner optimizer's state as of its last applied push (``None``: none kept, a fresh one)."""
 
     weights: Weights
     position: int
+    inner: list | None = None
 
 
 class Computed(NamedTuple):

@@ -72,8 +72,8 @@ class StoreActor:
     def sync(self, worker: int) -> Sync:
         return self.endpoint.sync(worker)
 
-    def push(self, worker: int, payload, version: SupportsInt, model_state, loss: SupportsFloat) -> Answer:
-        return self.endpoint.push(worker, payload, version, model_state, loss)
+    def push(self, worker: int, payload, version: SupportsInt, model_state, loss: SupportsFloat, inner=None) -> Answer:
+        return self.endpoint.push(worker, payload, version, model_state, loss, inner)
 
     def pull(self, worker: int) -> Weights:
         return self.endpoint.pull(worker)
@@ -111,9 +111,9 @@ class _StoreLink:
                     raise
                 time.sleep(0.5)
 
-    def push(self, worker: int, payload, version: SupportsInt, model_state, loss: SupportsFloat) -> Answer:
+    def push(self, worker: int, payload, version: SupportsInt, model_state, loss: SupportsFloat, inner=None) -> Answer:
         try:
-            return self.ray.get(self.actor.push.remote(worker, payload, version, model_state, loss))
+            return self.ray.get(self.actor.push.remote(worker, payload, version, model_state, loss, inner))
         except _actor_errors(self.ray):
             log.warning("worker %d: the store restarted; re-syncing", worker)
             return Answer("resync", None, "the store restarted")

@@ -34,6 +34,7 @@ class Rounds:
         self._payloads: dict[int, tuple] = {}  # SSGD: this round's payloads by worker
         self._gathered: list[tuple] = []  # a round method's: (worker, payload, model state, skips before it)
         self._skips: dict[int, int] = {}  # per worker: gradients ignored since its last payload of a round
+        self._inner: dict[int, Any] = {}  # this round's workers' inner-optimizer states (kept once it is applied)
         self._number = 0
         self._answer: tuple | BaseException | None = None  # the last round's (params, model_state, version)
         self.aborted: str | None = None
@@ -44,13 +45,16 @@ class Rounds:
         params, model_state, version = self.store.packed_backup(0)
         return (*self.store.reply((params, model_state), packed), version)
 
-    def push_round(self, worker: int, payload: Any, pulled_version: int, model_state: Any, timeout, packed: bool):
+    def push_round(
+        self, worker: int, payload: Any, pulled_version: int, model_state: Any, timeout, packed: bool, inner: Any = None
+    ):
         """SSGD: ``worker``'s payload for the round at ``pulled_version``; blocks until all M have sent theirs.
 
         The last to arrive applies the mean of the M payloads (in worker order) once, as worker 0, with the same
         server step as an asynchronous push; every worker gets the weights after it, ``(params, model_state,
         version)``. A non-finite mean is rejected (counted) and the round's answer is the unchanged weights. A worker
-        that arrives twice in one round (restarted) replaces its payload.
+        that arrives twice in one round (restarted) replaces its payload. ``inner``: the worker's inner-optimizer
+        state after its payload, kept with the round's update (:meth:`asgd_jax.trainer.ledger.Ledger.keep_inner`).
 
         Raises:
           StaleRound: the payload was computed at another version than the store's (re-sync from its backup).
@@ -63,6 +67,7 @@ class Rounds:
             if pulled_version != store.applied:
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {store.applied}")
             self._payloads[worker] = store.server.packed_payload(worker, payload, model_state, packed)
+            self._keep(worker, inner)
             number = self._number
             if len(self._payloads) < store.num_workers:
                 what = f"worker {worker}: the SSGD round at version {pulled_version}"
@@ -71,7 +76,9 @@ class Rounds:
             self._payloads = {}
             return self._finish(number, entries, pulled_version, timeout, packed)
 
-    def push_gathered(self, worker: int, payload: Any, pulled_version: int, model_state: Any, timeout, packed: bool):
+    def push_gathered(
+        self, worker: int, payload: Any, pulled_version: int, model_state: Any, timeout, packed: bool, inner: Any = None
+    ):
         """A round method's payload computed at ``pulled_version``; returns the weights to go on at.
 
         A payload of the current round joins it; the ``size``-th makes the update (their mean, in arrival order for
@@ -101,6 +108,7 @@ class Rounds:
                 raise StaleRound(f"computed at version {pulled_version}, the store is at {store.applied}")
             payload, model_state = store.server.packed_payload(worker, payload, model_state, packed)
             self._gathered.append((worker, payload, model_state, self._skips.pop(worker, 0)))
+            self._keep(worker, inner)
             number = self._number
             if len(self._gathered) < g.size:
                 if g.kind == "rennala":
@@ -110,6 +118,10 @@ class Rounds:
             self._gathered = []
             info = (tuple(e[0] for e in entries), tuple(e[3] for e in entries))
             return self._finish(number, [e[1:3] for e in entries], pulled_version, timeout, packed, info)
+
+    def _keep(self, worker: int, inner: Any) -> None:
+        if inner is not None:
+            self._inner[worker] = inner
 
     def _check_open(self, gathered: bool) -> None:
         if self.aborted is not None:
@@ -132,10 +144,10 @@ class Rounds:
         store = self.store
         mean = exchange.host_mean([p for p, _ in entries])
         ms = exchange.host_mean([m for _, m in entries]) if store.server.stateful else ()
+        inner, self._inner = self._inner, {}
         try:
-            answer: tuple | StoreClosed = store.push(0, mean, pulled_version, ms, round_info=info, packed=True).result(
-                timeout=timeout
-            )
+            pushed = store.push(0, mean, pulled_version, ms, round_info=info, packed=True, inner=inner)
+            answer: tuple | StoreClosed = pushed.result(timeout=timeout)
         except BadPush as e:
             log.warning("round at version %d: %s", pulled_version, e)
             answer = self.weights(packed=True)

@@ -159,13 +159,17 @@ class ParameterStore:
         """A packed answer as its caller wants it: packed, or as the model's pytrees (views)."""
         return answer if packed else self.server.unpack(answer)
 
-    def push(self, worker, payload, pulled_version, model_state=None, round_info=None, *, packed=False) -> Future:
+    def push(
+        self, worker, payload, pulled_version, model_state=None, round_info=None, *, packed=False, inner=None
+    ) -> Future:
         """Queues a payload computed at the weights of ``pulled_version``.
 
         The payload is the model's pytree or its packed buffers (:attr:`layout`, what a worker sends), moved to the
         store's device on the pushing thread (unless it lies there), while the applier applies the pushes before it
         (pipelined, the pushing thread applies it itself, in turn; a :class:`~asgd_jax.trainer.messages.Computed`
         one it computes too, its loss a fourth item of the answer). ``round_info``: a gathered round's mean.
+        ``inner``: the inner-optimizer states its workers reached, by worker, kept for the checkpoints once it is
+        applied (``Plan(inner=...)``).
 
         Returns:
           A future of ``(params, model_state, version)``: the weights right after this push, already this worker's
@@ -195,20 +199,22 @@ class ParameterStore:
             payload, model_state = self.server.put((g, ms))  # explicit; overlaps the apply of the pushes ahead
             self.add_times(transfer_in=time.perf_counter() - t0)
         future: Future = Future()
-        self.applier.put((worker, payload, model_state, pulled_version, round_info, packed, future))
+        self.applier.put((worker, payload, model_state, pulled_version, round_info, packed, inner, future))
         return future
 
-    def push_round(self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False):
+    def push_round(self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False, inner=None):
         """SSGD: ``worker``'s payload for the round at ``pulled_version``, answered when all M have sent theirs and
         their mean is applied (:meth:`asgd_jax.trainer.rounds.Rounds.push_round`)."""
         _check_worker(worker, self.num_workers)
-        return self.rounds.push_round(worker, payload, pulled_version, model_state, timeout, packed)
+        return self.rounds.push_round(worker, payload, pulled_version, model_state, timeout, packed, inner)
 
-    def push_gathered(self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False):
+    def push_gathered(
+        self, worker, payload, pulled_version, model_state=None, timeout=None, *, packed=False, inner=None
+    ):
         """A round method's payload (:attr:`gather`) computed at ``pulled_version``; the weights to go on at
         (:meth:`asgd_jax.trainer.rounds.Rounds.push_gathered`)."""
         _check_worker(worker, self.num_workers)
-        return self.rounds.push_gathered(worker, payload, pulled_version, model_state, timeout, packed)
+        return self.rounds.push_gathered(worker, payload, pulled_version, model_state, timeout, packed, inner)
 
     def abort_rounds(self, why: str) -> None:
         """Calls the rounds off (a worker died): every worker waiting in a round gets StoreClosed."""

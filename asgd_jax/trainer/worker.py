@@ -62,8 +62,11 @@ class StoreLink(Protocol):
     def sync(self, worker: int) -> Sync:
         """The worker's backup and data position."""
 
-    def push(self, worker: int, payload: Any, version: SupportsInt, model_state: Any, loss: SupportsFloat) -> Answer:
-        """A payload computed at ``version``; blocks until it is applied (or the SSGD round is)."""
+    def push(
+        self, worker: int, payload: Any, version: SupportsInt, model_state: Any, loss: SupportsFloat, inner: Any = None
+    ) -> Answer:
+        """A payload computed at ``version``; blocks until it is applied (or the SSGD round is). ``inner``: the
+        worker's inner-optimizer state after it, which the store keeps for its checkpoints once it is applied."""
 
     def pull(self, worker: int) -> Weights:
         """The current weights, recorded as the worker's backup (a stopped computation restarts there)."""
@@ -270,8 +273,10 @@ class Worker:
         one_program = loop == "scan" or ex.n_sync == 1
         self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None
         self.computed = self.computed and not ex.keeps_inner_state  # (the store does not keep a worker's own state)
-        # The worker's state of its inner optimizer, on its devices, kept across its applied pushes (None: plain SGD).
+        # The worker's state of its inner optimizer, on its devices, kept across its applied pushes (None: plain SGD,
+        # or not made yet); ``_restored``: its leaves from the store's checkpoint, placed at the first computation.
         self.inner: Any = None
+        self._restored: list | None = None
         if "inner init" not in shared:
             shared["inner init"] = jax.jit(
                 lambda packed: exchange.inner_optimizer(ex.inner, 0.0).init(setup.layouts[0].unpack(packed))
@@ -281,7 +286,9 @@ class Worker:
     def _start(self) -> tuple[Weights, ShardLoader]:
         """The weights to compute at and a loader at the data position, from what the store knows."""
         s = self.setup
-        weights, position = self.link.sync(s.worker)
+        weights, position, inner = self.link.sync(s.worker)
+        if s.exchange.keeps_inner_state:  # where the store's books say its state is (a resume's, a re-sync's)
+            self.inner, self._restored = None, inner
         loader = ShardLoader(
             self.data,
             worker=s.worker,
@@ -300,9 +307,12 @@ class Worker:
         if not self.setup.exchange.keeps_inner_state:
             with self.group.feeding():
                 return self.work(*inputs)
-        if self.inner is None:  # the worker's first state, from the weights' shapes, placed on its devices (a state
-            # that reads no input comes out of jit on the default device, whatever the input's)
-            self.inner = jax.device_put(self._inner_init(inputs.params), self.group.replicated)
+        if self.inner is None:  # the worker's first state, from the weights' shapes (or the store's, restored), placed
+            # on its devices (a state that reads no input comes out of jit on the default device, whatever the input's)
+            fresh = self._inner_init(inputs.params)
+            if self._restored is not None:
+                fresh = jax.tree.unflatten(jax.tree.structure(fresh), self._restored)
+            self.inner = jax.device_put(fresh, self.group.replicated)
         with self.group.feeding():
             return self.work(*inputs, self.inner)
 
@@ -349,7 +359,10 @@ class Worker:
                 if not s.direct:
                     payload, model_state, loss = jax.device_get((payload, model_state, loss))
                 t2 = time.perf_counter()
-                answer = self.link.push(s.worker, payload, weights.version, model_state if s.stateful else None, loss)
+                kept = out[4] if s.exchange.keeps_inner_state else None
+                answer = self.link.push(
+                    s.worker, payload, weights.version, model_state if s.stateful else None, loss, kept
+                )
                 t3 = time.perf_counter()
                 if answer.status == "restart":  # its round ended first: the work is wasted, the minibatches kept
                     stats.stop(t3 - t1)

@@ -10,6 +10,10 @@ and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one 
 - floor: the passes over parameter memory that the step needs, timed as NumPy copies of that many bytes (a copy is
   two passes: a read and a write). ASGD: read g (its finite check), read w, write w, write the worker's backup row,
   write the answer: 5 passes. DC-ASGD-a adds reading the backup and MeanSquare and writing MeanSquare: 8.
+- plain JAX: the same job as a user writes it without this project (plain jax/optax, the model's pytree as it is):
+  one jitted step, its state donated, that applies the rule (``optax.sgd``; DC-ASGD-a's compensation by hand, one
+  MeanSquare), writes the worker's backup row and returns the fresh weights; no finite checks. What XLA makes of the
+  step on this device, which the NumPy floor does not see (per-program and per-kernel costs).
 - 4 threads: pushes/s with four threads pushing at once, against 1 / (exchange time).
 - pipelined store: the trainer's in-process path (``ParameterStore(pipelined=True)``, what a threads run of the
   plain asynchronous discipline uses): the payload already on the store's device, the answer waited for on the
@@ -29,7 +33,9 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 import asgd_jax
 from asgd_jax.trainer.store import ParameterStore
@@ -64,6 +70,38 @@ def median_us(fn, n: int) -> float:
 def floor_us(size: int, passes: int, n: int) -> float:
     a, b = np.ones(size, np.float32), np.empty(size, np.float32)
     return median_us(lambda: np.copyto(b, a), n) * passes / 2
+
+
+def plain_jax_us(params, rule_name: str, n: int) -> float:
+    """The plain-JAX step (see the module's docstring), looped on its donated state: median microseconds."""
+    lr, lam, decay, eps = 1e-3, 2.0, 0.95, 1e-7
+    opt = optax.sgd(lr)
+    params = jax.tree.map(jnp.asarray, params)
+    backups = jax.tree.map(lambda x: jnp.zeros((WORKERS, *x.shape), x.dtype), params)
+    mean_square = jax.tree.map(jnp.zeros_like, params)
+
+    def step(p, opt_state, ms, b, g, w):
+        if rule_name == "dc_asgd_a":  # g + lam / sqrt(ms + eps) * g * g * (w_t - w_bak(m)), ms the mean of g * g
+            ms = jax.tree.map(lambda m, x: decay * m + (1 - decay) * x * x, ms, g)
+            stale = jax.tree.map(lambda stack: stack[w], b)
+            g = jax.tree.map(lambda x, m, w_, s: x + lam / jnp.sqrt(m + eps) * x * x * (w_ - s), g, ms, p, stale)
+        updates, opt_state = opt.update(g, opt_state, p)
+        p = optax.apply_updates(p, updates)
+        b = jax.tree.map(lambda stack, x: stack.at[w].set(x), b, p)
+        return p, opt_state, ms, b, p  # (the answer: the fresh weights, a buffer of their own)
+
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, x.dtype), params)
+    state = [params, opt.init(params), mean_square, backups]
+    worker = jnp.int32(0)
+
+    def one() -> None:
+        out = jitted(*state, g, worker)
+        state[:] = out[:4]
+        jax.block_until_ready(out)
+
+    one()
+    return median_us(one, n)
 
 
 def threads_rate(push, n: int) -> float:
@@ -108,7 +146,16 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
     size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     piped, piped_rate = pipelined(rule, params, n)
     floor = floor_us(size, PASSES[rule_name], n)
-    return {"store": one, "exchange": alone, "floor": floor, "rate": rate, "piped": piped, "piped_rate": piped_rate}
+    plain = plain_jax_us(params, rule_name, n)
+    return {
+        "store": one,
+        "exchange": alone,
+        "floor": floor,
+        "plain": plain,
+        "rate": rate,
+        "piped": piped,
+        "piped_rate": piped_rate,
+    }
 
 
 def pipelined(rule, params, n: int) -> tuple[float, float]:
@@ -136,10 +183,11 @@ def main() -> None:
     args = parser.parse_args()
     print(f"jax {jax.__version__}, store on {jax.devices('cpu')[0]}, M = {WORKERS}; times are medians in us")
     print(
-        "| params (leaves) | rule | store | exchange | floor | store ÷ exchange | exchange ÷ floor "
-        "| 4 threads ÷ 1/exchange | pipelined store | pipelined ÷ exchange | 4 threads pipelined ÷ 1/exchange |"
+        "| params (leaves) | rule | store | exchange | floor | plain JAX | store ÷ exchange | exchange ÷ floor "
+        "| exchange ÷ plain JAX | 4 threads ÷ 1/exchange | pipelined store | pipelined ÷ exchange "
+        "| 4 threads pipelined ÷ 1/exchange |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, params in models(args.quick).items():
         size, leaves = sum(int(np.size(x)) for x in jax.tree.leaves(params)), len(jax.tree.leaves(params))
         n = 20 if size > 5e6 else (50 if args.quick else 200)
@@ -147,7 +195,8 @@ def main() -> None:
             r = measure(params, rule_name, n)
             print(
                 f"| {size:,} ({leaves}, {name}) | {rule_name} | {r['store']:,.0f} | {r['exchange']:,.0f} | "
-                f"{r['floor']:,.0f} | {r['store'] / r['exchange']:.2f} | {r['exchange'] / r['floor']:.2f} | "
+                f"{r['floor']:,.0f} | {r['plain']:,.0f} | {r['store'] / r['exchange']:.2f} | "
+                f"{r['exchange'] / r['floor']:.2f} | {r['exchange'] / r['plain']:.2f} | "
                 f"{r['rate'] * r['exchange'] / 1e6:.2f} | {r['piped']:,.0f} | {r['piped'] / r['exchange']:.2f} | "
                 f"{r['piped_rate'] * r['exchange'] / 1e6:.2f} |",
                 flush=True,
