@@ -64,7 +64,8 @@ def cell_arms(s: Settings, m: int, speeds: str) -> list[Arm]:
 
 
 def arms(s: Settings, quick: bool) -> list[Arm]:
-    return [arm for speeds in clusters(1) for m in s.workers for arm in cell_arms(s, m, speeds)]
+    # By M first: a run stopped early (a GPU's time ran out) holds both speeds of its smaller clusters.
+    return [arm for m in s.workers for speeds in clusters(1) for arm in cell_arms(s, m, speeds)]
 
 
 def settings(quick: bool) -> Settings:
