@@ -316,3 +316,16 @@ def test_a_resumed_trainer_run_with_adamw_inner_steps_gets_each_workers_state_ba
     trace = delays.Trace.load(result.trace_path, num=3) if mode == "async" else delays.Workers(3)
     replay = simulate_clean(rules.diloco(0.5), trace, steps, key=5, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_perplexity_that_blew_up_but_stayed_finite_shows_in_scientific_form():
+    from asgd_jax import studies
+
+    study = studies.load("async_local_sgd")
+    run = lambda label, seed, ppl: {
+        "label": label, "M": 4, "speeds": "uniform", "seed": seed, "lr": 0.7, "test_perplexity": ppl,
+        "test_error": 0.5, "train_error": 0.5,
+    }  # fmt: skip
+    runs = [run("A", 0, 2.0), run("A", 1, 2.5), run("B", 0, 5.6e21), run("B", 1, 4.4e21), run("C", 0, float("inf"))]
+    table = studies.format_table(study, runs, 2)
+    assert "| A | 2.25 ± 0.35 |" in table and "| B | 5.0e+21 ± 8.5e+20 |" in table and "| C | — |" in table

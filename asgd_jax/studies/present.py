@@ -111,7 +111,11 @@ def format_table(study: Study, runs: list[dict[str, Any]], num_seeds: int) -> st
         def text(cell, metric=metric):
             if cell is None or math.isnan(cell[0]):
                 return "—"
-            return f"{cell[0]:.2f}x" if metric == "speedup" else f"{cell[0]:.2f} ± {cell[1]:.2f}"
+            if metric == "speedup":
+                return f"{cell[0]:.2f}x"
+            if abs(cell[0]) >= 1e5:  # (a perplexity that blew up but stayed finite: its digits say nothing)
+                return f"{cell[0]:.1e} ± {cell[1]:.1e}"
+            return f"{cell[0]:.2f} ± {cell[1]:.2f}"
 
         lines += ([""] if lines else []) + [f"{what}, {over} over {num_seeds} seed(s){tuned}"]
         lines += ([] if study.table.facet else [""]) + _grid(study, cells, text)
