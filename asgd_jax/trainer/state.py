@@ -186,7 +186,11 @@ class StoreState:
             def push_then_pull(c):  # asgd_jax.server.exchange, on the stored form
                 st, trips = c
                 s, _ = server.push(rule, sl.load(st), w, grads, model_state, stale_params=stale)
-                return sl.pull(rule, s, sl.store(s, st), w), trips + 1
+                # The backup row is read from the new weights as written (a barrier): without it XLA fuses the whole
+                # update a second time into the row's write, every input read twice (DC-ASGD-a: four).
+                st = sl.store(s, st)
+                st = st._replace(live=jax.lax.optimization_barrier(st.live))
+                return sl.pull(rule, sl.load(st), st, w), trips + 1
 
             # Applied at most once: a loop of ok (0 or 1) trips keeps the per-worker stacks updated in place, where
             # lax.cond made XLA copy them on every push (tests/test_store.py pins it on the compiled HLO).

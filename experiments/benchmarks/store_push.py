@@ -76,7 +76,7 @@ def plain_jax_us(params, rule_name: str, n: int) -> float:
     """The plain-JAX step (see the module's docstring), looped on its donated state: median microseconds."""
     lr, lam, decay, eps = 1e-3, 2.0, 0.95, 1e-7
     opt = optax.sgd(lr)
-    params = jax.tree.map(jnp.asarray, params)
+    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # (donated: not the caller's arrays)
     backups = jax.tree.map(lambda x: jnp.zeros((WORKERS, *x.shape), x.dtype), params)
     mean_square = jax.tree.map(jnp.zeros_like, params)
 
