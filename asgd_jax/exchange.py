@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import errors
+from asgd_jax import errors, packing
 from asgd_jax.loss import Loss
 
 __all__ = [
@@ -238,10 +238,12 @@ def worker_function(
     loop: str = "scan",
 ) -> Callable:
     """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
-    (payload, model_state, loss, aux)``: :func:`work` with the simulator's keys, so a recorded run replays.
+    (payload, model_state, loss, aux, finite)``: :func:`work` with the simulator's keys, so a recorded run replays.
 
     The weights come in and the payload and model state go out packed (``layouts``: the weights' and the model
     state's :class:`asgd_jax.packing.Layout`): one buffer per dtype to move, unpacked and packed inside the program.
+    ``finite`` is the payload's check (:func:`asgd_jax.packing.finite` of it and the model state), made here, on the
+    worker's device, so that the store, which applies every worker's pushes in turn, need not read it again.
 
     ``loop``: how ``n_sync > 1`` local steps are compiled. ``"scan"``: one program (a GPU or TPU runs the period
     without asking the host); ``"steps"``: one program per minibatch, called ``n_sync`` times from Python, for XLA:CPU,
@@ -250,6 +252,11 @@ def worker_function(
     (:attr:`Exchange.keeps_inner_state`) the function is one program taking the worker's state of it last and giving
     the new state last."""
     layout, state_layout = layouts
+
+    def packed(payload, ms, value, aux):
+        g, m = layout.pack(payload), state_layout.pack(ms)
+        return g, m, value, aux, packing.finite((*g, *m))
+
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
     lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
 
@@ -260,16 +267,13 @@ def worker_function(
         return jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
 
     def run(p, ms, b, k, v, w):
-        payload, ms, value, aux = work(
-            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr
-        )
-        return layout.pack(payload), state_layout.pack(ms), value, aux
+        return packed(*work(grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr))
 
     def run_inner(p, ms, b, k, v, w, inner):  # (a worker's inner optimizer: its state in and out, last)
         payload, ms, value, aux, inner = work(
             grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr, inner
         )
-        return layout.pack(payload), state_layout.pack(ms), value, aux, inner
+        return *packed(payload, ms, value, aux), inner
 
     if ex.keeps_inner_state:  # one program whatever the backend (the local steps scan the inner optimizer)
         return jax.jit(run_inner)
@@ -290,8 +294,7 @@ def worker_function(
     @jax.jit
     def end(params0, carry, losses, auxes):
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-        payload, ms, value, aux = _period_end(ex, params0, carry, jnp.stack(losses), stacked)
-        return layout.pack(payload), state_layout.pack(ms), value, aux
+        return packed(*_period_end(ex, params0, carry, jnp.stack(losses), stacked))
 
     indices: dict[Any, list[jax.Array]] = {}  # the minibatch numbers, placed once per device group
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Layout", "Packed", "layouts"]
+__all__ = ["Layout", "Packed", "finite", "layouts"]
 
 Packed = tuple
 """A packed pytree: a tuple of 1-D buffers, one per dtype, in the order of :attr:`Layout.dtypes`."""
@@ -110,6 +110,14 @@ class Layout:
 
 def _describe(x: Any) -> str:
     return f"a {type(x).__name__} of {len(x)}" if isinstance(x, tuple | list) else f"a {type(x).__name__}"
+
+
+def finite(buffers: Packed) -> jax.Array:
+    """Whether every float of packed ``buffers`` is finite, as a bool array (inside a program: one read of each)."""
+    # x * 0 is 0 for a finite x and NaN for NaN or Inf: the sum is finite exactly when every x is. One reduction,
+    # which XLA:CPU runs 2-4x faster than isfinite(x).all() (a materialised mask, then a chain of reductions).
+    sums = [jnp.sum(b * 0) for b in buffers if jnp.issubdtype(b.dtype, jnp.inexact)]
+    return jnp.isfinite(jnp.stack(sums).sum()) if sums else jnp.bool_(True)
 
 
 def layouts(params: Any, model_state: Any) -> tuple[Layout, Layout]:

@@ -303,3 +303,28 @@ def test_the_stored_state_is_a_few_buffers_and_steps_as_the_server_does(rule_nam
             np.testing.assert_array_less(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)), ulps + 1e-30)
     finally:
         store.close()
+
+
+def test_a_workers_payload_comes_with_its_own_check_and_the_store_reads_no_pass_of_it():
+    # A worker's period checks its payload in its own program (Checked); the store trusts the flag, and its exchange
+    # for such pushes reads the payload once, for the update (one reduction fewer: the answer's own check is left).
+    from asgd_jax.trainer.messages import Checked
+
+    store = ParameterStore(asgd_jax.asgd(0.1), {"w": np.zeros(3, np.float32)}, 2, num_updates=5)
+    try:
+        _, _, version = store.pull(0)
+        ones = (np.ones(3, np.float32),)
+        with pytest.raises(BadPush, match="NaN or Inf"):  # the flag decides: a payload its worker found non-finite
+            store.push(0, Checked(ones, np.bool_(False)), version, packed=True).result(timeout=10)
+        with pytest.raises(BadPush, match="NaN or Inf"):  # a plain payload is checked by the store itself
+            store.push(0, (np.array([0.0, np.nan, 0.0], np.float32),), version, packed=True).result(timeout=10)
+        np.testing.assert_array_equal(store.state().params["w"], np.zeros(3))  # untouched by either
+        params, _, _ = store.push(0, Checked(ones, np.bool_(True)), version, packed=True).result(timeout=10)
+        np.testing.assert_allclose(params[0], -0.1 * np.ones(3))
+        s = store.status()
+        assert (s.applied, s.rejected) == (1, 2)
+        hlo = lambda payload: store.server.lower(0, payload, ()).compile().as_text()
+        reductions = lambda payload: hlo(payload).count(" reduce(")
+        assert reductions(Checked(ones, np.bool_(True))) == reductions(ones) - 1 >= 1
+    finally:
+        store.close()

@@ -14,6 +14,7 @@ __all__ = [
     "ANSWERS",
     "Answer",
     "BadPush",
+    "Checked",
     "Computed",
     "Finished",
     "Progress",
@@ -41,6 +42,23 @@ class Weights(NamedTuple):
     params: Any
     model_state: Any
     version: SupportsInt
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A packed payload with its finite check, made where the payload was (the worker's program: on its device, while
+    the store applies other pushes), so the store's exchange reads no pass of it for that. The store trusts the flag:
+    a payload from elsewhere comes plain, and the store checks it.
+
+    Attributes:
+      payload: the packed buffers.
+      finite: a bool array, whether the payload and the model state pushed with it hold no NaN or Inf.
+
+    (A dataclass, not a tuple: it is never mistaken for packed buffers.)
+    """
+
+    payload: tuple
+    finite: Any
 
 
 class Sync(NamedTuple):

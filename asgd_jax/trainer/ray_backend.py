@@ -66,7 +66,7 @@ class StoreActor:
         the_store = for_run(
             rule, params, config, header=header, model_state=model_state, evaluates=evaluates, resume=True
         )
-        the_store.warm_up()
+        the_store.warm_up(checked=not config.discipline.rounds)
         self.endpoint = Endpoint(the_store, config.discipline, timeout=config.timeout)
 
     def sync(self, worker: int) -> Sync:

@@ -19,9 +19,9 @@ import numpy as np
 import optax
 
 from asgd_jax import packing, server
-from asgd_jax.trainer.messages import BadPush, Computed
+from asgd_jax.trainer.messages import BadPush, Checked, Computed
 
-__all__ = ["Dispatched", "Exchanged", "StateLayout", "Stored", "StoreState", "finite_packed", "host", "host_copy"]
+__all__ = ["Dispatched", "Exchanged", "StateLayout", "Stored", "StoreState", "host", "host_copy"]
 
 
 class Exchanged(NamedTuple):
@@ -168,15 +168,18 @@ class StoreState:
         """The very same server step the simulator scans, jitted for the store's device, on packed pushes.
 
         One program per push: the payload's leaves are slices of its packed buffers, the finite check is an output
-        (a payload with NaN/Inf leaves the state as it was), and so are the staleness and the answer: what the worker
-        computes at next, packed, with its own finite check (weights that turned NaN/Inf). The state is kept and
+        (a payload with NaN/Inf leaves the state as it was; a worker's payload comes with its check, made in the
+        worker's program, :class:`~asgd_jax.trainer.messages.Checked`, and the store reads no pass of it for that:
+        the program takes the flag instead, a second compilation), and so are the staleness and the answer: what the
+        worker computes at next, packed, with its own finite check (weights that turned NaN/Inf). The state is kept and
         donated in its :class:`Stored` form: a few buffers to dispatch, updated in place (the weights, the rule's
         state and one backup row; not the M backups, benchmarks/store_push.py).
         """
         layout, ms_layout, stateful, sl = self.layout, self.model_state_layout, self.stateful, self.stored_layout
 
-        def exchange_packed(st: Stored, w, g, ms):
-            ok = finite_packed((*g, *ms))
+        def exchange_packed(st: Stored, w, g, ms, ok=None):
+            # ``ok``: the payload's own check, computed where it was made (a worker's program: Checked); else here.
+            ok = packing.finite((*g, *ms)) if ok is None else ok
             grads, model_state = layout.unpack(g), ms_layout.unpack(ms) if stateful else None
             staleness = st.version - server.snapshot_version(st, w)
             # The stale row, read before the loop that writes that row: read inside, XLA may fuse the read into the
@@ -201,7 +204,7 @@ class StoreState:
             # rejected push, the weights it computed at before; either way where it computes next.
             sent = sl.row(st, w)
             version = server.snapshot_version(st, w)
-            flags = jnp.stack([staleness, ok.astype(jnp.int32), finite_packed(sent[0]).astype(jnp.int32)])
+            flags = jnp.stack([staleness, ok.astype(jnp.int32), packing.finite(sent[0]).astype(jnp.int32)])
             return st, flags, sent, version  # (the flags in one buffer: one transfer)
 
         def answer(st: Stored, w):  # what a pull by w would send (nothing recorded)
@@ -241,6 +244,8 @@ class StoreState:
         """A push's payload and model state as packed host buffers: given packed (a worker's), or packed here from
         the model's pytrees (``packed=None``: whichever it is). A misfit is a :class:`BadPush` naming the leaf or
         buffer."""
+        if isinstance(payload, Checked):
+            payload = payload.payload
         if packed is None:
             packed = self.layout.misfit(payload) is None
         problem = self.layout.misfit(payload) if packed else self._misfit(payload)
@@ -278,18 +283,21 @@ class StoreState:
 
     # -- the programs ------------------------------------------------------------------------------------------------
 
-    def exchange(self, worker: int, payload: tuple, model_state: tuple) -> Exchanged:
+    def exchange(self, worker: int, payload: tuple | Checked, model_state: tuple) -> Exchanged:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
-        worker's pull: one program, the state updated in place; waits for its flags and answer on the host."""
-        self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], payload, model_state)
+        worker's pull: one program, the state updated in place; waits for its flags and answer on the host. A
+        :class:`~asgd_jax.trainer.messages.Checked` payload brings its finite check (its worker's)."""
+        g, ok = (payload.payload, payload.finite) if isinstance(payload, Checked) else (payload, None)
+        self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], g, model_state, ok)
         flags, sent = host((flags, sent))  # one transfer call for the flags and the answer
         staleness, ok, sound = (int(x) for x in flags)
         return Exchanged(bool(ok), staleness, bool(sound), sent)
 
-    def dispatch(self, worker: int, payload: tuple, model_state: tuple) -> Dispatched:
+    def dispatch(self, worker: int, payload: tuple | Checked, model_state: tuple) -> Dispatched:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
         flags later; the answer goes to the worker as it is)."""
-        self.stored, flags, sent, version = self._exchange(self.stored, self._ids[worker], payload, model_state)
+        g, ok = (payload.payload, payload.finite) if isinstance(payload, Checked) else (payload, None)
+        self.stored, flags, sent, version = self._exchange(self.stored, self._ids[worker], g, model_state, ok)
         return Dispatched(flags, sent, version)
 
     def dispatch_computed(self, worker: int, push: Computed, *, state: Stored | None = None) -> tuple[Dispatched, Any]:
@@ -310,10 +318,10 @@ class StoreState:
 
         def computed(st: Stored, w, batches, model_key):
             params, model_state = sl.row(st, w)  # where the worker computes: its backup
-            payload, model_state, loss, _ = work(
+            payload, model_state, loss, _, finite = work(
                 params, model_state, batches, model_key, server.snapshot_version(st, w), w
             )
-            return (*exchange_packed(st, w, payload, model_state), loss)
+            return (*exchange_packed(st, w, payload, model_state, finite), loss)
 
         return jax.jit(computed, donate_argnums=0)
 
@@ -359,18 +367,22 @@ class StoreState:
         ms = self.model_state_layout.unpack_host(model_state) if self.stateful else None
         return self.layout.unpack_host(params), ms
 
-    def warm_up(self) -> None:
+    def warm_up(self, checked: bool = False) -> None:
         """Compiles the exchange and the lookups now, the exchange on a scratch copy of the state (donated; the live
-        state is untouched) and a zero payload made on the device."""
+        state is untouched) and a zero payload made on the device; ``checked``: the exchange of payloads that come
+        with their check (a run's workers'), else the one that checks them."""
         g, ms = self.put(self.zeros)
-        jax.block_until_ready(self._exchange(self._scratch(), self._ids[0], g, ms))
+        ok = jax.device_put(np.bool_(True), self.device) if checked else None
+        jax.block_until_ready(self._exchange(self._scratch(), self._ids[0], g, ms, ok))
         jax.block_until_ready(self._packed_backup(self.stored, self._ids[0]))
         jax.block_until_ready(self._weights(self.stored))
         jax.block_until_ready(self._full(self.stored))  # (what a checkpoint reads: not compiled mid-run)
 
-    def lower(self, worker: int, payload: tuple, model_state: tuple) -> jax.stages.Lowered:
-        """The exchange for a packed payload, lowered (``.compile().as_text()`` is its optimised HLO)."""
-        return self._exchange.lower(self.stored, self._ids[worker], *self.put((payload, model_state)))
+    def lower(self, worker: int, payload: tuple | Checked, model_state: tuple) -> jax.stages.Lowered:
+        """The exchange for a packed payload (or a :class:`~asgd_jax.trainer.messages.Checked` one: the program that
+        takes its flag), lowered (``.compile().as_text()`` is its optimised HLO)."""
+        g, ok = (payload.payload, payload.finite) if isinstance(payload, Checked) else (payload, None)
+        return self._exchange.lower(self.stored, self._ids[worker], *self.put((g, model_state, ok)))
 
     def lost(self) -> bool:
         """Whether a failing exchange consumed the donated state."""
@@ -393,11 +405,3 @@ def host(packed: Any) -> Any:
 def host_copy(tree: Any) -> Any:
     """A NumPy copy that owns its memory (never a view of a buffer the store will donate)."""
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
-
-
-def finite_packed(buffers: tuple) -> jax.Array:
-    """Whether every float of packed buffers is finite (inside a program: one read, fused with its neighbours)."""
-    # x * 0 is 0 for a finite x and NaN for NaN or Inf: the sum is finite exactly when every x is. One reduction,
-    # which XLA:CPU runs 2-4x faster than isfinite(x).all() (a materialised mask, then a chain of reductions).
-    sums = [jnp.sum(b * 0) for b in buffers if jnp.issubdtype(b.dtype, jnp.inexact)]
-    return jnp.isfinite(jnp.stack(sums).sum()) if sums else jnp.bool_(True)

@@ -45,7 +45,16 @@ from asgd_jax import checkpoint, errors, server
 from asgd_jax.trainer.applier import Applier
 from asgd_jax.trainer.discipline import Gather
 from asgd_jax.trainer.ledger import Ledger
-from asgd_jax.trainer.messages import BadPush, Computed, Snapshot, StaleRound, StoreClosed, StoreStatus, StoreTimes
+from asgd_jax.trainer.messages import (
+    BadPush,
+    Checked,
+    Computed,
+    Snapshot,
+    StaleRound,
+    StoreClosed,
+    StoreStatus,
+    StoreTimes,
+)
 from asgd_jax.trainer.persistence import Checkpoints, check_header, trace_pin
 from asgd_jax.trainer.rounds import Rounds
 from asgd_jax.trainer.state import StoreState, host_copy
@@ -189,6 +198,7 @@ class ParameterStore:
                 self.ledger.late_push()
                 raise StoreClosed(self.closed_reason())
         if not computed:
+            finite = payload.finite if isinstance(payload, Checked) else None  # (its worker's check: trusted)
             try:
                 g, ms = self.server.packed_payload(worker, payload, model_state, packed)
             except BadPush:
@@ -196,7 +206,8 @@ class ParameterStore:
                     self.ledger.rejected += 1
                 raise
             t0 = time.perf_counter()
-            payload, model_state = self.server.put((g, ms))  # explicit; overlaps the apply of the pushes ahead
+            g, model_state, finite = self.server.put((g, ms, finite))  # explicit; overlaps the applies ahead
+            payload = g if finite is None else Checked(g, finite)
             self.add_times(transfer_in=time.perf_counter() - t0)
         future: Future = Future()
         self.applier.put((worker, payload, model_state, pulled_version, round_info, packed, inner, future))
@@ -252,11 +263,13 @@ class ParameterStore:
         with self.lock:
             return self.server.lower(worker, *packed)
 
-    def warm_up(self) -> None:
+    def warm_up(self, checked: bool = False) -> None:
         """Compiles the exchange (and the backup lookup) now, on a scratch copy of the state, so the first push does
-        not pay for compilation (hundreds of milliseconds; the trainer calls this before its clock starts)."""
+        not pay for compilation (hundreds of milliseconds; the trainer calls this before its clock starts).
+        ``checked``: the exchange of :class:`~asgd_jax.trainer.messages.Checked` payloads (a run's asynchronous
+        workers push theirs so), else the one that checks a payload itself (a round's mean, a caller's push)."""
         with self.lock:
-            self.server.warm_up()
+            self.server.warm_up(checked)
 
     # -- the run's end and its files ----------------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ def run(
     backend = _Threads(endpoint, workers)
     try:
         if status.applied < config.plan.num_updates:
-            the_store.warm_up()
+            the_store.warm_up(checked=not config.discipline.rounds)  # (a round's mean: checked by the store)
             for w in range(min(len(groups), m)):  # one compilation per device group
                 workers[w].warm_up()
             if evaluator is not None:

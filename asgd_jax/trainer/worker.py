@@ -37,7 +37,7 @@ from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.loader import ShardLoader
-from asgd_jax.trainer.messages import Answer, Computed, Sync, Weights, WorkerStats
+from asgd_jax.trainer.messages import Answer, Checked, Computed, Sync, Weights, WorkerStats
 
 __all__ = [
     "Computing",
@@ -355,13 +355,14 @@ class Worker:
                     stats.stop(time.perf_counter() - t1)
                     weights, t1 = self.link.pull(s.worker), time.perf_counter()
                     out = self._compute(weights, batches)
-                payload, model_state, loss = out[:3]
+                payload, model_state, loss, finite = out[0], out[1], out[2], out[4]
                 if not s.direct:
-                    payload, model_state, loss = jax.device_get((payload, model_state, loss))
+                    payload, model_state, loss, finite = jax.device_get((payload, model_state, loss, finite))
                 t2 = time.perf_counter()
-                kept = out[4] if s.exchange.keeps_inner_state else None
+                kept = out[5] if s.exchange.keeps_inner_state else None
+                pushed = Checked(payload, finite)  # (its check made in the period's program: the store trusts it)
                 answer = self.link.push(
-                    s.worker, payload, weights.version, model_state if s.stateful else None, loss, kept
+                    s.worker, pushed, weights.version, model_state if s.stateful else None, loss, kept
                 )
                 t3 = time.perf_counter()
                 if answer.status == "restart":  # its round ended first: the work is wasted, the minibatches kept
@@ -373,7 +374,7 @@ class Worker:
                 if answer.status == "ok":
                     weights = answer.fresh()
                     if s.exchange.keeps_inner_state:  # applied: the period's steps count (not a rejected one's)
-                        self.inner = out[4]
+                        self.inner = out[5]
                 elif answer.status == "closed":
                     break
                 else:  # "rejected" (NaN/Inf: its minibatches are used up) or "resync": start again from the store

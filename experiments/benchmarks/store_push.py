@@ -5,8 +5,10 @@ store device), M = 4 workers, at four sizes: the `cnn` (13,706 parameters, 8 lea
 and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one global MeanSquare, the paper's).
 
 - store: ``ParameterStore.push(..., packed=True).result()`` from one thread, end to end (the payload's transfer to the
-  store's device, the queue, the exchange, the trace line, the answer back), median.
-- exchange: the store's own compiled exchange (``lower_exchange(...).compile()``), looped on its state, median.
+  store's device, the queue, the exchange, the trace line, the answer back), median. The payload comes as a worker's
+  does, with its finite check made in the worker's program (``Checked``: its cost is the worker's, not the store's).
+- exchange: the store's own compiled exchange for such a payload (``StoreState.lower``), looped on its state, median;
+  "checking exchange": the one for a payload that comes plain (a caller's, a round's mean), which checks it itself.
 - floor: the passes over parameter memory that the step needs, timed as NumPy copies of that many bytes (a copy is
   two passes: a read and a write). ASGD: read g (its finite check), read w, write w, write the worker's backup row,
   write the answer: 5 passes. DC-ASGD-a adds reading the backup and MeanSquare and writing MeanSquare: 8.
@@ -38,6 +40,7 @@ import numpy as np
 import optax
 
 import asgd_jax
+from asgd_jax.trainer.messages import Checked
 from asgd_jax.trainer.store import ParameterStore
 
 WORKERS = 4
@@ -120,27 +123,34 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         store = ParameterStore(rule, params, WORKERS, out_dir=out)
         store.warm_up()
+        store.warm_up(checked=True)
         payload = tuple(np.full(k, 1e-3, d) for k, d in zip(store.layout.sizes, store.layout.dtypes, strict=True))
+        checked = Checked(payload, np.bool_(True))  # (a worker's push: its check made in its own program)
         version = [0]
 
         def push(worker: int = 0) -> None:
-            _, _, version[0] = store.push(worker, payload, version[0], packed=True).result()
+            _, _, version[0] = store.push(worker, checked, version[0], packed=True).result()
 
         push()
         one = median_us(push, n)
-        compiled = store.lower_exchange(0, payload).compile()
         store.state()  # (settled: nothing in flight)
-        state = [jax.device_put(jax.device_get(store.server.stored), store.device)]  # a copy, in the stored form
         g = jax.device_put(payload, store.device)
         worker = jax.device_put(np.int32(0), store.device)
+        flag = jax.device_put(np.bool_(True), store.device)
 
-        def exchange() -> None:
-            out = compiled(state[0], worker, g, ())
-            state[0] = out[0]
-            jax.block_until_ready(out)
+        def exchange_us(pushed, ok) -> float:
+            compiled = store.server.lower(0, pushed, ()).compile()
+            state = [jax.device_put(jax.device_get(store.server.stored), store.device)]  # a copy, in the stored form
 
-        exchange()
-        alone = median_us(exchange, n)
+            def one_exchange() -> None:
+                out = compiled(state[0], worker, g, (), ok)
+                state[0] = out[0]
+                jax.block_until_ready(out)
+
+            one_exchange()
+            return median_us(one_exchange, n)
+
+        alone, checking = exchange_us(checked, flag), exchange_us(payload, None)
         rate = threads_rate(push, n)
         store.close()
     size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
@@ -150,6 +160,7 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
     return {
         "store": one,
         "exchange": alone,
+        "checking": checking,
         "floor": floor,
         "plain": plain,
         "rate": rate,
@@ -163,12 +174,13 @@ def pipelined(rule, params, n: int) -> tuple[float, float]:
     for on the device (one thread: the median push; four threads: pushes/s)."""
     with tempfile.TemporaryDirectory() as out:
         store = ParameterStore(rule, params, WORKERS, out_dir=out, pipelined=True)
-        store.warm_up()
+        store.warm_up(checked=True)
         sizes = zip(store.layout.sizes, store.layout.dtypes, strict=True)
         payload = jax.device_put(tuple(np.full(k, 1e-3, d) for k, d in sizes), store.device)
+        checked = Checked(payload, jax.device_put(np.bool_(True), store.device))
 
         def push(worker: int = 0) -> None:
-            jax.block_until_ready(store.push(worker, payload, 0, packed=True).result())
+            jax.block_until_ready(store.push(worker, checked, 0, packed=True).result())
 
         push()
         one = median_us(push, n)
@@ -183,11 +195,12 @@ def main() -> None:
     args = parser.parse_args()
     print(f"jax {jax.__version__}, store on {jax.devices('cpu')[0]}, M = {WORKERS}; times are medians in us")
     print(
-        "| params (leaves) | rule | store | exchange | floor | plain JAX | store ÷ exchange | exchange ÷ floor "
+        "| params (leaves) | rule | store | exchange | checking exchange | floor | plain JAX | store ÷ exchange "
+        "| exchange ÷ floor "
         "| exchange ÷ plain JAX | 4 threads ÷ 1/exchange | pipelined store | pipelined ÷ exchange "
         "| 4 threads pipelined ÷ 1/exchange |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, params in models(args.quick).items():
         size, leaves = sum(int(np.size(x)) for x in jax.tree.leaves(params)), len(jax.tree.leaves(params))
         n = 20 if size > 5e6 else (50 if args.quick else 200)
@@ -195,6 +208,7 @@ def main() -> None:
             r = measure(params, rule_name, n)
             print(
                 f"| {size:,} ({leaves}, {name}) | {rule_name} | {r['store']:,.0f} | {r['exchange']:,.0f} | "
+                f"{r['checking']:,.0f} | "
                 f"{r['floor']:,.0f} | {r['plain']:,.0f} | {r['store'] / r['exchange']:.2f} | "
                 f"{r['exchange'] / r['floor']:.2f} | {r['exchange'] / r['plain']:.2f} | "
                 f"{r['rate'] * r['exchange'] / 1e6:.2f} | {r['piped']:,.0f} | {r['piped'] / r['exchange']:.2f} | "
