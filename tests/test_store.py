@@ -63,6 +63,21 @@ def test_the_exchange_updates_the_per_worker_stacks_in_place():
     assert not stack_copies, stack_copies
 
 
+def test_the_exchange_writes_the_weights_and_moments_in_place_and_computes_the_update_once():
+    # DC-ASGD-a with one MeanSquare: the weights and the moment are written where they are read (packed together,
+    # their concatenation went to a new buffer copied back each push), and the compensation is computed once (in
+    # one loop with the backup row's write, XLA fused the whole update a second time into that write).
+    store = ParameterStore(asgd_jax.dc_asgd(0.05, 2.0, adaptive=True), {"w": np.zeros(4096, np.float32)}, 4)
+    try:
+        hlo = store.lower_exchange(1, {"w": np.ones(4096, np.float32)}).compile().as_text()
+    finally:
+        store.close()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and "f32[" in line]
+    assert not copies, copies
+    adaptive = [line for line in hlo.splitlines() if " rsqrt(" in line]
+    assert len(adaptive) == 1, adaptive  # lambda_0 / sqrt(MeanSquare + eps), in the one fusion of the update
+
+
 def test_store_stop_policy_and_budget():
     store = ParameterStore(asgd_jax.asgd(0.1), np.zeros(2, np.float32), 1, on_nonfinite="stop")
     with pytest.raises(BadPush):
@@ -286,10 +301,11 @@ def test_the_stored_state_is_a_few_buffers_and_steps_as_the_server_does(rule_nam
     reference = jax.jit(lambda p: server.init(rule, p, 3))(params)
     step = jax.jit(lambda s, w, g: server.exchange(rule, s, w, g)[0])
     try:
-        # A buffer per dtype for the live state and for the backups, the versions; DANA's 30 per-worker momentum
-        # tables stay leaves of their own (a push writes one row of each, in place).
+        # A buffer per dtype for each role of the live state (weights, rule state, model state) and for the backups,
+        # the versions; DANA's 30 per-worker momentum tables stay leaves of their own (a push writes one row of
+        # each, in place).
         tables = 30 if rule_name == "dana" else 0
-        assert len(jax.tree.leaves(store.server.stored)) <= 3 * len(dtypes) + 2 + tables
+        assert len(jax.tree.leaves(store.server.stored)) <= 4 * len(dtypes) + 2 + tables
         for t, worker in enumerate((0, 2, 2, 1, 0)):
             g = jax.tree.map(lambda p, t=t: (rng.normal(size=p.shape) * (t + 1)).astype(p.dtype), params)
             store.push(worker, g, 0).result(timeout=30)

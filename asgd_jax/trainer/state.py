@@ -49,8 +49,9 @@ class Stored(NamedTuple):
     """The server state as the store keeps it on its device: a handful of buffers, whatever the model's leaf count.
 
     Attributes:
-      live: one buffer per dtype holding the weights, the rule's state and the model state (every push rewrites
-        them).
+      live: the weights, the rule's state and the model state (every push rewrites them), each packed on its own,
+        one buffer per dtype: a push's update of the weights (or of a moment) then writes the buffer it reads, in
+        place (packed together, their concatenation went to a new buffer, copied back: a pass over them all).
       backup_params: per dtype of the weights' packed form, an ``[M, size]`` stack: row m is worker m's backup,
         exactly the packed answer it was sent (one row written per pull, in place).
       backup_model_state: the same for the model state.
@@ -84,11 +85,11 @@ class StateLayout:
             num_workers > 1 and np.shape(x)[:1] == (num_workers,) and np.shape(x)[1:] in shapes for x in leaves
         ]
         live = [x for x, k in zip(leaves, self._kept, strict=True) if not k]
-        self.live = packing.Layout.of((state.params, live, state.model_state))
+        self.live = tuple(packing.Layout.of(x) for x in (state.params, live, state.model_state))
 
     def load(self, st: Stored) -> server.ServerState:
         """The state's pytrees as slices of the stored buffers (no backups: read a row with :meth:`row`)."""
-        params, live, model_state = self.live.unpack(st.live)
+        params, live, model_state = (layout.unpack(b) for layout, b in zip(self.live, st.live, strict=True))
         live, kept = iter(live), iter(st.kept)
         opt_state = jax.tree.unflatten(self._opt_def, [next(kept) if k else next(live) for k in self._kept])
         return server.ServerState(params, opt_state, model_state, None, None, st.backup_version, st.version)
@@ -98,7 +99,7 @@ class StateLayout:
         leaves = jax.tree.leaves(s.opt_state)
         live = [x for x, k in zip(leaves, self._kept, strict=True) if not k]
         kept = tuple(x for x, k in zip(leaves, self._kept, strict=True) if k)
-        packed = self.live.pack((s.params, live, s.model_state))
+        packed = tuple(layout.pack(x) for layout, x in zip(self.live, (s.params, live, s.model_state), strict=True))
         return st._replace(live=packed, kept=kept, backup_version=s.backup_version, version=s.version)
 
     @staticmethod
@@ -186,20 +187,22 @@ class StoreState:
             # row's write and copy the whole M-row stack to order the two (tests/test_store.py pins the HLO).
             stale = layout.unpack(sl.row(st, w)[0])
 
-            def push_then_pull(c):  # asgd_jax.server.exchange, on the stored form
+            def push(c):  # asgd_jax.server.exchange, on the stored form: the push ...
                 st, trips = c
                 s, _ = server.push(rule, sl.load(st), w, grads, model_state, stale_params=stale)
-                # The backup row is read from the new weights as written (a barrier): without it XLA fuses the whole
-                # update a second time into the row's write, every input read twice (DC-ASGD-a: four).
-                st = sl.store(s, st)
-                st = st._replace(live=jax.lax.optimization_barrier(st.live))
+                return sl.store(s, st), trips + 1
+
+            def pull(c):  # ... then the pull, from the new weights as the first loop wrote them (in one loop, XLA
+                # fused the whole update a second time into the backup row's write: every input read twice)
+                st, trips = c
                 return sl.pull(rule, sl.load(st), st, w), trips + 1
 
-            # Applied at most once: a loop of ok (0 or 1) trips keeps the per-worker stacks updated in place, where
+            # Applied at most once: loops of ok (0 or 1) trips keep the per-worker stacks updated in place, where
             # lax.cond made XLA copy them on every push (tests/test_store.py pins it on the compiled HLO).
-            st, _ = jax.lax.while_loop(
-                lambda c: c[1] < ok.astype(jnp.int32), push_then_pull, (st, jnp.zeros((), jnp.int32))
-            )
+            once = lambda body, st: jax.lax.while_loop(
+                lambda c: c[1] < ok.astype(jnp.int32), body, (st, jnp.zeros((), jnp.int32))
+            )[0]
+            st = once(pull, once(push, st))
             # The worker's backup: what this push's pull recorded (the very weights a pull sends), or, for a
             # rejected push, the weights it computed at before; either way where it computes next.
             sent = sl.row(st, w)
