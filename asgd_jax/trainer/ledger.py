@@ -148,6 +148,11 @@ class Ledger:
         """The counts as a checkpoint's header keys, and the trace they belong to (a resume keeps exactly its lines
         and refuses any other trace)."""
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
+        if self.trace is not None:  # the lines it pins are on disk first
+            try:
+                self.trace.flush()
+            except OSError as e:
+                self._on_write_error(self.trace.path, e)
         pinned = {} if self.trace is None else {"trace_lines": self.trace.lines, "trace_sha256": self.trace.digest()}
         staleness = {str(k): v for k, v in self.staleness_counts.items()}
         return {**counts, "ignored": self.ignored, **pinned, "staleness_counts": staleness}
