@@ -18,7 +18,7 @@ from asgd_jax.trainer.discipline import Discipline
 from asgd_jax.trainer.messages import Answer, BadPush, Computed, Progress, StaleRound, StoreClosed, Sync, Weights
 from asgd_jax.trainer.store import ParameterStore
 
-__all__ = ["Endpoint", "for_run"]
+__all__ = ["Endpoint", "for_run", "readable_losses"]
 
 
 def for_run(
@@ -149,7 +149,7 @@ class Endpoint:
         """The store's status, the losses pushed since the last call and the snapshots taken since (handed over)."""
         with self._lock:
             losses, self._losses = self._losses, []
-        return Progress(self.store.status(), [float(x) for x in jax.device_get(losses)], self.store.take_snapshots())
+        return Progress(self.store.status(), readable_losses(losses), self.store.take_snapshots())
 
     def end(self, why: str) -> None:
         """Ends the run without an error (a worker the run cannot go on without died): rounds off, store closed."""
@@ -164,3 +164,18 @@ class Endpoint:
         """Closes the store (final checkpoint); returns the last :meth:`progress` and the final weights."""
         self.store.close()
         return (self.progress(), *self.store.final_weights())
+
+
+def readable_losses(losses: list) -> list[float]:
+    """The pushed losses on the host (one transfer); a loss of a program that failed (the store's applier died on it,
+    and says why) is left out, not raised here in the driver's place."""
+    try:
+        return [float(x) for x in jax.device_get(losses)]
+    except jax.errors.JaxRuntimeError:
+        out = []
+        for x in losses:
+            try:
+                out.append(float(jax.device_get(x)))
+            except jax.errors.JaxRuntimeError:
+                continue
+        return out

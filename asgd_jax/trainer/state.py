@@ -262,6 +262,13 @@ class StoreState:
             model_state = self.model_state_layout.pack_host(model_state)
         return payload, model_state
 
+    def placed(self, worker: int, payload: Any, model_state: Any, packed: bool | None) -> tuple[Any, tuple]:
+        """A push's payload and model state checked (:meth:`packed_payload`) and moved to the store's device,
+        explicitly; a :class:`~asgd_jax.trainer.messages.Checked` one keeps its worker's flag (trusted), with it."""
+        finite = payload.finite if isinstance(payload, Checked) else None
+        g, ms, finite = self.put((*self.packed_payload(worker, payload, model_state, packed), finite))
+        return (g if finite is None else Checked(g, finite)), ms
+
     def _misfit(self, payload: Any) -> str | None:
         if jax.tree.structure(payload) != self._structure:
             return f"tree structure {jax.tree.structure(payload)} differs from the model's {self._structure}"

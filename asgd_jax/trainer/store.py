@@ -25,6 +25,11 @@ Workers talk to a store through its :class:`Endpoint` (in this process, or insid
 one place where what the store says (applied, rejected, closed, a stale SSGD round) becomes a worker's
 :class:`asgd_jax.trainer.messages.Answer`, and where a driver polls the run's :class:`StoreStatus`, the losses pushed
 since its last poll and the snapshots of the weights to evaluate.
+
+A trainer's store is made by :func:`asgd_jax.trainer.endpoint.for_run` from its config's
+:class:`~asgd_jax.trainer.discipline.Discipline`. Nothing fails silently: a failing trace or checkpoint write (a full
+disk), an exception in the applier, or weights that turn NaN/Inf close the store with ``error`` set, and the workers'
+next push raises :class:`StoreClosed` saying why. The last checkpoint on disk stays the last good one.
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ from asgd_jax.trainer.discipline import Gather
 from asgd_jax.trainer.ledger import Ledger
 from asgd_jax.trainer.messages import (
     BadPush,
-    Checked,
     Computed,
     Snapshot,
     StaleRound,
@@ -91,11 +95,6 @@ class ParameterStore:
       gather: a round method's rounds (:class:`~asgd_jax.trainer.discipline.Gather`, :meth:`push_gathered`).
       pipelined: answer a push with its exchange's outputs on the device, read its flags when the next one arrives
         (:mod:`asgd_jax.trainer.applier`): for workers in this process, whose payloads stay on their devices.
-
-    A trainer's store is made by :func:`asgd_jax.trainer.endpoint.for_run` from its config's
-    :class:`~asgd_jax.trainer.discipline.Discipline`. Nothing fails silently: a failing trace or checkpoint write (a
-    full disk), an exception in the applier, or weights that turn NaN/Inf close the store with :attr:`error` set, and
-    the workers' next push raises :class:`StoreClosed` saying why. The last checkpoint on disk stays the last good one.
     """
 
     def __init__(
@@ -171,14 +170,12 @@ class ParameterStore:
     def push(
         self, worker, payload, pulled_version, model_state=None, round_info=None, *, packed=False, inner=None
     ) -> Future:
-        """Queues a payload computed at the weights of ``pulled_version``.
-
-        The payload is the model's pytree or its packed buffers (:attr:`layout`, what a worker sends), moved to the
-        store's device on the pushing thread (unless it lies there), while the applier applies the pushes before it
-        (pipelined, the pushing thread applies it itself, in turn; a :class:`~asgd_jax.trainer.messages.Computed`
-        one it computes too, its loss a fourth item of the answer). ``round_info``: a gathered round's mean.
-        ``inner``: the inner-optimizer states its workers reached, by worker, kept for the checkpoints once it is
-        applied (``Plan(inner=...)``).
+        """Queues a payload computed at the weights of ``pulled_version``: the model's pytree or its packed buffers
+        (:attr:`layout`; a worker's come :class:`~asgd_jax.trainer.messages.Checked`), moved to the store's device on
+        the pushing thread while the applier applies the pushes before it (pipelined, the pushing thread applies it
+        itself, in turn; a :class:`~asgd_jax.trainer.messages.Computed` one it computes too, its loss a fourth item of
+        the answer). ``round_info``: a gathered round's mean; ``inner``: the inner-optimizer states its workers
+        reached, by worker, kept for the checkpoints once it is applied (``Plan(inner=...)``).
 
         Returns:
           A future of ``(params, model_state, version)``: the weights right after this push, already this worker's
@@ -198,16 +195,13 @@ class ParameterStore:
                 self.ledger.late_push()
                 raise StoreClosed(self.closed_reason())
         if not computed:
-            finite = payload.finite if isinstance(payload, Checked) else None  # (its worker's check: trusted)
-            try:
-                g, ms = self.server.packed_payload(worker, payload, model_state, packed)
+            t0 = time.perf_counter()
+            try:  # (on the store's device: the transfer overlaps the applies ahead)
+                payload, model_state = self.server.placed(worker, payload, model_state, packed)
             except BadPush:
                 with self.lock:
                     self.ledger.rejected += 1
                 raise
-            t0 = time.perf_counter()
-            g, model_state, finite = self.server.put((g, ms, finite))  # explicit; overlaps the applies ahead
-            payload = g if finite is None else Checked(g, finite)
             self.add_times(transfer_in=time.perf_counter() - t0)
         future: Future = Future()
         self.applier.put((worker, payload, model_state, pulled_version, round_info, packed, inner, future))
