@@ -91,8 +91,8 @@ class Plan:
       inner: the workers' optimizer of their local steps, at ``local_lr``: ``"sgd"`` (the default, plain steps),
         ``"momentum"`` (SGD with Nesterov momentum 0.9) or ``"adamw"`` (optax's AdamW: DiLoCo's inner optimizer);
         each worker's state of it is its own and lasts across its applied pushes (the simulator's state and
-        checkpoints; the trainer's threads backend keeps it in the worker, and the store's checkpoints as of the
-        worker's last applied push; not yet on Ray).
+        checkpoints; the trainer keeps it in each worker, a thread or a Ray actor, and in the store's checkpoints as
+        of the worker's last applied push).
       partition: how the data is split among the workers (:class:`asgd_jax.partition.Partition`, or its text form:
         ``"iid"``, the default; ``"dirichlet:0.1"``, ``"labels:2"``, ``"unequal:0.5"``); a non-IID partition is drawn
         once from the labels ``data["y"]`` and its own seed, the same for the simulator and the trainer.

@@ -68,14 +68,14 @@ def replay(trace_path, steps, num=2):
     return simulate_clean(rule(), trace, steps).params
 
 
-def _train_in_thread(loss=lsq_loss, params=W0, **kwargs):
+def _train_in_thread(loss=lsq_loss, params=W0, the_rule=None, **kwargs):
     box = {"before": set(ray.util.list_named_actors())}  # actors of earlier runs may still be on their way out
 
     def target():
         try:
             box["result"] = train(
                 loss,
-                rule(),
+                the_rule or rule(),
                 params,
                 DATA,
                 train_config(2, batch_size=4, seed=3, backend="ray", timeout=LIMIT, **kwargs),
@@ -266,6 +266,21 @@ def test_a_killed_store_actor_resumes_from_its_checkpoint(local_ray, tmp_path):
     assert result.resumed_from > 0 and result.resumed_from % 10 == 0
     assert result.pushes_applied == 600 and not result.failures
     np.testing.assert_allclose(replay(result.trace_path, 600), result.params, rtol=1e-4, atol=1e-5)
+
+
+def test_adamw_inner_states_on_ray_come_back_with_a_killed_store_actor_and_the_run_replays(local_ray, tmp_path):
+    # Each worker actor pushes its AdamW state with its delta; the store actor keeps and checkpoints it. Killed, the
+    # store comes back from its checkpoint and every worker re-syncs to the state it had there: the whole trace
+    # replays in the simulator, whose workers never lost theirs.
+    sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw")
+    diloco = asgd_jax.rules.diloco(0.5)
+    thread, box = _train_in_thread(the_rule=diloco, num_updates=90, out=str(tmp_path), checkpoint_every=10, **sync)
+    _kill_when(tmp_path / "trace.jsonl", 30, "store", box)
+    result = _result(thread, box)
+    assert result.resumed_from > 0 and result.pushes_applied == 90 and not result.failures
+    trace = asgd_jax.delays.Trace.load(result.trace_path, num=2)
+    replayed = simulate_clean(diloco, trace, 90, key=3, **sync)
+    np.testing.assert_allclose(replayed.params, result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_a_killed_store_actor_with_a_million_weights_comes_back_from_its_checkpoint(local_ray, tmp_path):

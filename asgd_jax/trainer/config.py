@@ -101,7 +101,6 @@ class TrainConfig:
         flag = lambda name: "--" + name.replace("_", "-")
         plan = self.plan
         _check_plan(plan)
-        self._check_inner()
         errors.int_at_least("devices_per_worker", self.devices_per_worker, 1, flag("devices_per_worker"))
         for name in ("seed", "warm_start_steps", "max_restarts"):
             errors.int_at_least(name, getattr(self, name), 0, flag(name))
@@ -222,20 +221,6 @@ class TrainConfig:
     def checkpoint_interval(self) -> int | None:
         """Updates between checkpoints with an output folder: the plan's (:meth:`asgd_jax.Plan.checkpoint_interval`)."""
         return None if self.out is None else self.plan.checkpoint_interval()
-
-    def _check_inner(self) -> None:
-        """An inner optimizer's state lives in the threads backend's workers (and the store's checkpoints): not on
-        Ray's actors yet."""
-        if self.plan.inner == "sgd":
-            return
-        errors.require(
-            self.backend == "threads",
-            "backend",
-            self.backend,
-            f"inner={self.plan.inner!r} (--inner) keeps each worker's optimizer state in the threads backend's "
-            "workers, not yet in a Ray actor: use backend='threads', or inner='sgd'",
-            "--backend",
-        )
 
     def eval_interval(self) -> int:
         """Updates between evaluations: the plan's (:meth:`asgd_jax.Plan.eval_interval`, the simulator's too)."""
