@@ -289,6 +289,13 @@ def test_a_trainer_run_with_adamw_inner_steps_replays_in_the_simulator(tmp_path,
     replay = simulate_clean(rules.diloco(0.5), trace, steps, key=5, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
     assert result.pushes_applied == steps
+    if mode == "async":  # the run's own replay plan says its inner optimizer (and replays to the same weights)
+        from asgd_jax.trainer import replay_plan
+
+        plan = replay_plan(tmp_path)
+        assert (plan.inner, plan.local_lr, plan.push) == ("adamw", 0.02, "delta")
+        again = simulate_clean(rules.diloco(0.5), plan.delays, steps, key=5, **sync)
+        np.testing.assert_array_equal(again.params, replay.params)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

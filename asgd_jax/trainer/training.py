@@ -206,7 +206,8 @@ def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
     record = checkpoint.read_json(os.path.join(out, PLAN))
     errors.require(isinstance(record, dict), "out", out, f"its {PLAN} is not a trainer's plan record")
     trace = delays.Trace.load(os.path.join(out, session.TRACE), num=record.get("workers"))
-    fields = {k: record[k] for k in ("batch_size", "mode", "n_sync", "push", "local_lr", "partition") if k in record}
+    keys = ("batch_size", "mode", "n_sync", "push", "local_lr", "inner", "partition")  # ("inner": since 2026-12-04)
+    fields = {k: record[k] for k in keys if k in record}
     return Plan(trace, num_updates=num_updates or len(trace), **fields)
 
 
