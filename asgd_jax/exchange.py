@@ -236,6 +236,7 @@ def worker_function(
     layouts: tuple[Any, Any],
     *,
     loop: str = "scan",
+    dylu: bool = False,
 ) -> Callable:
     """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
     (payload, model_state, loss, aux, finite)``: :func:`work` with the simulator's keys, so a recorded run replays.
@@ -250,7 +251,8 @@ def worker_function(
     which runs the convolutions of a ``lax.scan`` body several times slower than the same step compiled alone. The
     same arithmetic either way (the replay tests hold for both). With an inner optimizer
     (:attr:`Exchange.keeps_inner_state`) the function is one program taking the worker's state of it last and giving
-    the new state last."""
+    the new state last. ``dylu``: it takes the worker's own number of steps (an int32 on its devices) last of all,
+    one program whatever the device (:func:`work`'s ``steps``)."""
     layout, state_layout = layouts
 
     def packed(payload, ms, value, aux):
@@ -275,6 +277,15 @@ def worker_function(
         )
         return *packed(payload, ms, value, aux), inner
 
+    def run_dylu(p, ms, b, k, v, w, *inner_and_steps):  # (DyLU: the worker's steps last; its inner state before them)
+        *inner, steps = inner_and_steps
+        out = work(
+            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr, *inner, steps=steps
+        )
+        return (*packed(*out[:4]), *out[4:])
+
+    if dylu:
+        return jax.jit(run_dylu)
     if ex.keeps_inner_state:  # one program whatever the backend (the local steps scan the inner optimizer)
         return jax.jit(run_inner)
     if loop == "scan" or ex.n_sync == 1:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from asgd_jax import delays as delays_lib
 from asgd_jax import errors
 from asgd_jax.partition import Partition
@@ -186,11 +188,12 @@ class Plan:
                 f"{type(self.delays).__name__} over Workers(dylu=True): DyLU is a plain Workers model's (its events "
                 "carry each push's steps); use Workers(M, dylu=True) itself."
             )
-        if getattr(self.delays, "dylu", False) and (self.mode != "async" or not local_steps or self.n_sync == 1):
+        dylu = getattr(self.delays, "dylu", False) or isinstance(getattr(self.delays, "steps", None), np.ndarray)
+        if dylu and (self.mode != "async" or not local_steps or self.n_sync == 1):
             raise errors.ConfigError(
-                f"Workers(dylu=True) gives each worker its share of n_sync={self.n_sync} local steps in asynchronous "
-                f"local SGD, but this plan has mode={self.mode!r}, push={self.push!r}: use mode='async', n_sync > 1 "
-                "and local steps (push='delta', or push='gradients' with local_lr)."
+                f"Workers(dylu=True) (or a DyLU run's Trace) gives each worker its share of n_sync={self.n_sync} local "
+                f"steps in asynchronous local SGD, but this plan has mode={self.mode!r}, push={self.push!r}: use "
+                "mode='async', n_sync > 1 and local steps (push='delta', or push='gradients' with local_lr)."
             )
         rounds = delays_lib.is_round_model(self.delays)
         if self.mode == "sync" and not (rounds or isinstance(self.delays, delays_lib.Workers)):
@@ -267,4 +270,6 @@ class Plan:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "delays"}
         if self.inner == "sgd":  # (the default, left out: the records of runs from before it existed stay the same)
             del out["inner"]
+        if getattr(self.delays, "dylu", False):  # DyLU: each worker's minibatches per period (what a replay takes)
+            out["local_steps"] = [int(k) for k in np.asarray(self.delays.local_steps(self.n_sync))]
         return {"delays": repr(self.delays), "workers": self.workers, **out, "partition": str(self.partition)}

@@ -43,6 +43,7 @@ TRAIN_WITHOUT_A_FIELD = {
     "rennala": "(as --ringmaster)",
     "msync": "(as --ringmaster)",
     "stops": "(as --ringmaster)",
+    "dylu": "(as --ringmaster: Workers(M, speeds=..., dylu=True))",
     "out": "the command line always writes a run folder (TrainConfig's None writes none)",
 }
 # Flags named otherwise than their field, and flag values that a field holds in another form.

@@ -248,7 +248,7 @@ def test_dylu_makes_a_half_speed_worker_push_as_often_and_take_half_the_local_st
     np.testing.assert_allclose(same(True).params, same(False).params, rtol=1e-6, atol=1e-7)
 
 
-def test_dylu_is_refused_outside_asynchronous_local_sgd_and_by_the_trainer():
+def test_dylu_is_refused_outside_asynchronous_local_sgd():
     from asgd_jax.errors import ConfigError
     from asgd_jax.plan import Plan
     from asgd_jax.trainer import TrainConfig
@@ -259,10 +259,11 @@ def test_dylu_is_refused_outside_asynchronous_local_sgd_and_by_the_trainer():
         dict(push="delta", n_sync=1),
         dict(n_sync=4, push="accumulate"),
     ):
-        with pytest.raises(ConfigError, match=r"Workers\(dylu=True\) gives each worker its share"):
+        with pytest.raises(ConfigError, match=r"Workers\(dylu=True\) \(or a DyLU run's Trace\) gives each worker"):
             Plan(law, local_lr=0.1, **bad)
-    with pytest.raises(ConfigError, match="DyLU"):
-        TrainConfig(Plan(law, push="delta", n_sync=4, local_lr=0.1))
+    assert TrainConfig(Plan(law, push="delta", n_sync=4, local_lr=0.1)).plan.delays.dylu  # (the trainer runs it)
+    with pytest.raises(ConfigError, match=r"steps=\[4, 0\] is invalid: .* 2 ints >= 1"):
+        delays.Trace([0, 1], steps=[4, 0])
     with pytest.raises(ConfigError, match=r"Ringmaster over Workers\(dylu=True\)"):
         Plan(delays.Ringmaster(law, 2), push="delta", n_sync=4, local_lr=0.1)
     with pytest.raises(ConfigError, match="dylu"):
@@ -335,3 +336,41 @@ def test_a_perplexity_that_blew_up_but_stayed_finite_shows_in_scientific_form():
     runs = [run("A", 0, 2.0), run("A", 1, 2.5), run("B", 0, 5.6e21), run("B", 1, 4.4e21), run("C", 0, float("inf"))]
     table = studies.format_table(study, runs, 2)
     assert "| A | 2.25 ± 0.35 |" in table and "| B | 5.0e+21 ± 8.5e+20 |" in table and "| C | — |" in table
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adamw"])
+def test_a_dylu_trainer_run_gives_each_worker_its_share_of_steps_and_replays_from_its_record(tmp_path, inner):
+    # Worker w of Workers(speeds, dylu=True) takes floor(v_w / max v * H) of the H local steps; the run's plan.json
+    # records those counts and its replay plan replays them, to the trainer's weights.
+    from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+
+    from asgd_jax.plan import Plan
+    from asgd_jax.trainer import TrainConfig, replay_plan, train
+
+    law = delays.Workers(3, speeds=(1.0, 0.5, 0.25), dylu=True)
+    sync = dict(n_sync=4, push="delta", local_lr=0.05, inner=inner)
+    config = TrainConfig(Plan(law, num_updates=18, batch_size=4, **sync), seed=5, out=str(tmp_path), progress=False)
+    result = train(lsq_loss, rules.diloco(0.5, momentum=0.0), W0, DATA, config, devices=jax.devices()[:3])
+    plan = replay_plan(tmp_path)
+    assert plan.delays.steps.tolist() == [4, 2, 1]
+    replay = simulate_clean(rules.diloco(0.5, momentum=0.0), plan.delays, 18, key=5, **sync)
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+    every_step = simulate_clean(
+        rules.diloco(0.5, momentum=0.0), delays.Trace.load(result.trace_path, 3), 18, key=5, **sync
+    )
+    assert not np.allclose(every_step.params, result.params, rtol=1e-5, atol=1e-6)  # (the steps matter)
+
+
+def test_train_dylu_flag_gives_the_workers_their_steps_and_names_a_bad_value(tmp_path, capsys):
+    from asgd_jax.cli import main
+    from asgd_jax.trainer import replay_plan
+
+    flags = ["train", "--workers", "2", "--n-sync", "4", "--push", "delta", "--local-lr", "0.05", "--no-progress"]
+    assert main([*flags, "--dylu", "1,0.5", "--steps", "6", "--out", str(tmp_path / "run")]) == 0
+    assert replay_plan(tmp_path / "run").delays.steps.tolist() == [4, 2]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # (argparse's own exit, the value named)
+        main([*flags, "--dylu", "1,fast"])
+    assert exit_info.value.code == 2 and "'1,fast' is not speeds" in capsys.readouterr().err
+    assert main([*flags, "--dylu", "1,0.5", "--msync", "1"]) == 2
+    assert "choose one of --ringmaster, --rennala, --msync, --dylu" in capsys.readouterr().err

@@ -80,6 +80,24 @@ def _add_method_flags(a) -> None:
         help="m-Synchronous SGD (Begunov & Tyurin 2026): the first m of the M workers' gradients, the rest stopped",
     )
     a("--stops", action="store_true", help="with --ringmaster: stop a computation R stale; --rennala: at round ends")
+    a(
+        "--dylu",
+        type=_speeds,
+        default=None,
+        metavar="V1,V2,...",
+        help="DyLU (Liu et al. 2024): worker w takes floor(v_w / max v * n_sync) of the local steps, v the workers' "
+        "relative speeds, one per worker [off]",
+    )
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    """``--dylu``'s comma-separated speeds."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not speeds: give numbers separated by commas, 1,0.5,0.25"
+        ) from None
 
 
 def _add_partition_flag(a, default) -> None:
@@ -233,9 +251,11 @@ def train_config(args: argparse.Namespace):
     from asgd_jax.plan import Plan
     from asgd_jax.trainer.config import TrainConfig
 
-    methods = {"--ringmaster": args.ringmaster, "--rennala": args.rennala, "--msync": args.msync}
+    methods = {"--ringmaster": args.ringmaster, "--rennala": args.rennala, "--msync": args.msync, "--dylu": args.dylu}
     given = [flag for flag, value in methods.items() if value is not None]
-    errors.require(len(given) <= 1, "method", " and ".join(given), "choose one of --ringmaster, --rennala, --msync")
+    errors.require(
+        len(given) <= 1, "method", " and ".join(given), "choose one of --ringmaster, --rennala, --msync, --dylu"
+    )
     errors.require(
         not args.stops or given[:1] in (["--ringmaster"], ["--rennala"]), "stops", True, "add --ringmaster R", "--stops"
     )
@@ -246,6 +266,8 @@ def train_config(args: argparse.Namespace):
         workers = delays.Rennala(args.workers, args.rennala, args.stops)
     elif args.msync is not None:
         workers = delays.MSync(args.workers, args.msync)
+    elif args.dylu is not None:
+        workers = delays.Workers(args.workers, speeds=args.dylu, dylu=True)
     plan = Plan(workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
     skip = ("plan", "slowdown")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in skip}

@@ -45,6 +45,8 @@ class Trace(_Counted, _Stateless):
         restarted there). The server then keeps a ring of ``ring`` versions, the largest staleness + 1, instead of a
         backup per worker.
       ring: the ring's length (static; default from a concrete ``pulled``).
+      steps: optional, per worker: the minibatches of its exchange periods, when fewer than ``n_sync`` (a DyLU
+        run's, :attr:`Workers.dylu`: a trainer run records them, :func:`asgd_jax.trainer.replay_plan` reads them).
 
     Example:
       >>> import asgd_jax
@@ -61,6 +63,7 @@ class Trace(_Counted, _Stateless):
     skips: Any = None
     pulled: Any = None
     ring: int | None = None
+    steps: Any = None
 
     def __post_init__(self):
         _check_array("skips", self.skips, lambda s: s >= 0, ">= 0 per update", per_update=True)
@@ -91,6 +94,15 @@ class Trace(_Counted, _Stateless):
         elif self.num is None:
             raise errors.ConfigError("Trace(worker_ids=<traced>) needs num= given explicitly.")
         self._check_pulled()
+        if self.steps is not None and _is_concrete(self.steps):
+            steps = np.asarray(self.steps)
+            errors.require(
+                steps.shape == (self.num,) and np.issubdtype(steps.dtype, np.integer) and bool(np.all(steps >= 1)),
+                "steps",
+                self.steps,
+                f"give each worker's minibatches per exchange period: {self.num} ints >= 1, one per worker",
+            )
+            object.__setattr__(self, "steps", steps.astype(np.int32))
 
     def _check_pulled(self) -> None:
         if self.pulled is None:
@@ -132,19 +144,21 @@ class Trace(_Counted, _Stateless):
         worker = jnp.asarray(self.worker_ids, jnp.int32)[t]
         times = _recorded_time(self.times, t)
         skip = 0 if self.skips is None else jnp.asarray(self.skips, jnp.int32)[t]
+        steps = None if self.steps is None else jnp.asarray(self.steps, jnp.int32)[worker]
         if self.ring is None:
-            return state, Event(worker, worker, worker, times, skip)
+            return state, Event(worker, worker, worker, times, skip, steps=steps)
         # A ring of versions, as Ringmaster's: slot v % ring holds w_v from when v is made until v + ring is.
         source = jnp.asarray(self.pulled, jnp.int32)[t] % self.ring
-        return state, Event(source, ((t + 1) % self.ring).astype(jnp.int32), worker, times, skip, worker)
+        return state, Event(source, ((t + 1) % self.ring).astype(jnp.int32), worker, times, skip, worker, steps=steps)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, num: int | None = None) -> Trace:
+    def load(cls, path: str | os.PathLike, num: int | None = None, steps: Any = None) -> Trace:
         """Reads a trainer's ``trace.jsonl`` (:func:`asgd_jax.trace.read`: one record per applied or rejected push; a
         rejected one becomes a skip of its worker's next applied push).
 
         The number of workers is ``num``, or else the one the records say (a worker that never pushed still counts);
-        a half-written last line (a killed run) is left out.
+        a half-written last line (a killed run) is left out. ``steps``: a DyLU run's minibatches per period, per
+        worker (its ``plan.json``'s ``local_steps``).
         """
         from asgd_jax import trace  # the trace format's owner (it imports nothing of the engines)
 
@@ -152,7 +166,7 @@ class Trace(_Counted, _Stateless):
         num = num if num is not None else read.num
         if read.rounds is not None:  # a round method's run (Rennala, m-Synchronous): every update a recorded round
             return RoundTrace(read.rounds, read.round_skips, read.times, num)
-        return cls(read.workers, read.times, num, read.skips, read.pulled)
+        return cls(read.workers, read.times, num, read.skips, read.pulled, steps=steps)
 
 
 Trace = _pytree_dataclass(Trace, meta=("num", "ring"))

@@ -244,9 +244,3 @@ def _check_plan(plan: Any) -> None:
         plan.time_budget,
         "a virtual-time budget is the simulator's: the trainer's wall-clock budget is timeout= (--timeout)",
     )
-    errors.require(
-        not getattr(plan.delays, "dylu", False),
-        "plan.delays",
-        plan.delays,
-        "DyLU (Workers(dylu=True)) is the simulator's for now: the trainer's workers all take n_sync steps",
-    )

@@ -205,7 +205,10 @@ def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
     out = os.fspath(out)
     record = checkpoint.read_json(os.path.join(out, PLAN))
     errors.require(isinstance(record, dict), "out", out, f"its {PLAN} is not a trainer's plan record")
-    trace = delays.Trace.load(os.path.join(out, session.TRACE), num=record.get("workers"))
+    # (a DyLU run's record holds each worker's minibatches per period: its "local_steps")
+    trace = delays.Trace.load(
+        os.path.join(out, session.TRACE), num=record.get("workers"), steps=record.get("local_steps")
+    )
     keys = ("batch_size", "mode", "n_sync", "push", "local_lr", "inner", "partition")  # ("inner": since 2026-12-04)
     fields = {k: record[k] for k in keys if k in record}
     return Plan(trace, num_updates=num_updates or len(trace), **fields)

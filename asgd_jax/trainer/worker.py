@@ -108,6 +108,8 @@ class WorkerSetup:
         exchange as one program (:class:`~asgd_jax.trainer.messages.Computed`), where a period is one program (not
         XLA:CPU's local steps, each its own) and nothing waits on the period (no straggling, no stops).
       assignment: the run's fixed partition (:class:`asgd_jax.partition.Assignment`), None for IID shards.
+      steps: DyLU (``Workers(dylu=True)``): the minibatches of the worker's periods that count, its share of
+        ``n_sync`` by its speed (:meth:`asgd_jax.delays.Workers.local_steps`); ``None``: all of them.
     """
 
     worker: int
@@ -122,11 +124,17 @@ class WorkerSetup:
     direct: bool = False
     computed: bool = False
     assignment: Any = None
+    steps: int | None = None
 
     @property
     def key(self) -> jax.Array:
         with jax.transfer_guard("allow"):
             return jax.random.key(self.seed)
+
+    @property
+    def period(self) -> int:
+        """The minibatches an exchange period of this worker reads: ``n_sync``, or with DyLU its ``steps``."""
+        return self.exchange.n_sync if self.steps is None else self.steps
 
     @classmethod
     def of_run(
@@ -143,6 +151,7 @@ class WorkerSetup:
         """Worker ``worker``'s setup in a run of ``config`` (its straggling, its discipline's stops; ``in_process``:
         the store is in this process, so a store on a device takes asynchronous payloads device to device)."""
         c = config
+        dylu = getattr(c.plan.delays, "dylu", False)
         return cls(
             worker,
             c.plan.workers,
@@ -155,6 +164,7 @@ class WorkerSetup:
             c.discipline.stop_stale,
             in_process and not c.discipline.rounds,  # (rounds average on the host)
             assignment=assignment,
+            steps=int(c.plan.delays.local_steps(ex.n_sync)[worker]) if dylu else None,
         )
 
 
@@ -264,15 +274,16 @@ class Worker:
         # One function for the workers of a process (``shared``: theirs, by loop): the worker's id is an argument, so
         # workers that share a device share its compilation too (and the store's program of their computed pushes).
         shared = {} if shared is None else shared
+        dylu = setup.steps is not None  # (one program taking the worker's steps: a scan, on any device)
         if loop not in shared:
             shared[loop] = exchange.worker_function(
-                loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop
+                loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop, dylu=dylu
             )
         self.work = shared[loop]
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
         one_program = loop == "scan" or ex.n_sync == 1
         self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None
-        self.computed = self.computed and not ex.keeps_inner_state  # (the store does not keep a worker's own state)
+        self.computed = self.computed and not ex.keeps_inner_state and not dylu  # (a period of the worker's own)
         # The worker's state of its inner optimizer, on its devices, kept across its applied pushes (None: plain SGD,
         # or not made yet); ``_restored``: its leaves from the store's checkpoint, placed at the first computation.
         self.inner: Any = None
@@ -282,6 +293,8 @@ class Worker:
                 lambda packed: exchange.inner_optimizer(ex.inner, 0.0).init(setup.layouts[0].unpack(packed))
             )
         self._inner_init = shared["inner init"]
+        # DyLU: the worker's own steps, placed once on its devices (an argument: one program for every worker).
+        self._steps = None if setup.steps is None else jax.device_put(np.int32(setup.steps), self.group.replicated)
 
     def _start(self) -> tuple[Weights, ShardLoader]:
         """The weights to compute at and a loader at the data position, from what the store knows."""
@@ -295,7 +308,7 @@ class Worker:
             num_workers=s.num_workers,
             batch_size=s.exchange.batch_size,
             key=s.key,
-            start_batch=position * s.exchange.n_sync,
+            start_batch=position * s.period,
             assignment=s.assignment,
         )
         return weights, loader
@@ -304,9 +317,10 @@ class Worker:
         """The exchange period at ``weights`` on ``batches``, dispatched (not waited for); with an inner optimizer its
         new state is the last output (kept by :meth:`run` once the push is applied)."""
         inputs = self.group.place(self.setup.worker, weights.params, weights.model_state, batches, weights.version)
+        steps = () if self._steps is None else (self._steps,)
         if not self.setup.exchange.keeps_inner_state:
             with self.group.feeding():
-                return self.work(*inputs)
+                return self.work(*inputs, *steps)
         if self.inner is None:  # the worker's first state, from the weights' shapes (or the store's, restored), placed
             # on its devices (a state that reads no input comes out of jit on the default device, whatever the input's)
             fresh = self._inner_init(inputs.params)
@@ -314,7 +328,7 @@ class Worker:
                 fresh = jax.tree.unflatten(jax.tree.structure(fresh), self._restored)
             self.inner = jax.device_put(fresh, self.group.replicated)
         with self.group.feeding():
-            return self.work(*inputs, self.inner)
+            return self.work(*inputs, self.inner, *steps)
 
     def warm_up(self) -> None:
         """Compiles the exchange-period function on one of this worker's minibatches (before a run's clock starts)."""
@@ -327,6 +341,12 @@ class Worker:
                 jax.block_until_ready(self._compute(weights, batches))
         finally:
             loader.close()
+
+    def _period(self, loader: ShardLoader) -> Any:
+        """The next exchange period's minibatches, stacked: ``n_sync`` of them; with DyLU the worker's own ``steps``
+        (what its shard moves by, as in the simulator), repeated up to ``n_sync`` (the rest count for nothing)."""
+        taken = [next(loader) for _ in range(self.setup.period)]
+        return stack_batches(taken + taken[-1:] * (self.setup.exchange.n_sync - len(taken)))
 
     def _computed(self, batches: Any) -> Computed:
         return Computed(self.work, batches, self.group.model_key)
@@ -348,7 +368,7 @@ class Worker:
             while not stop.is_set():
                 t0 = time.perf_counter()
                 if batches is None:
-                    batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
+                    batches = self._period(loader)
                 t1 = time.perf_counter()
                 out = self._compute(weights, batches)
                 while not self._done(out, weights.version, t1, stop):  # stopped: again, at the current weights
@@ -394,7 +414,7 @@ class Worker:
         try:
             while not stop.is_set():
                 t0 = time.perf_counter()
-                batches = stack_batches([next(loader) for _ in range(s.exchange.n_sync)])
+                batches = self._period(loader)
                 t1 = time.perf_counter()
                 answer = link.push_computed(s.worker, self._computed(batches))
                 stats.add(data=t1 - t0, compute=time.perf_counter() - t1, exchange=0.0, loss=answer.loss)
