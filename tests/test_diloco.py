@@ -4,6 +4,9 @@ from the weights they pulled (the same minibatches, sharing no code with asgd_ja
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import jax
 import numpy as np
 import pytest
@@ -374,3 +377,40 @@ def test_train_dylu_flag_gives_the_workers_their_steps_and_names_a_bad_value(tmp
     assert exit_info.value.code == 2 and "'1,fast' is not speeds" in capsys.readouterr().err
     assert main([*flags, "--dylu", "1,0.5", "--msync", "1"]) == 2
     assert "choose one of --ringmaster, --rennala, --msync, --dylu" in capsys.readouterr().err
+
+
+def test_a_dylu_trace_moves_a_shard_by_its_workers_own_steps_past_a_rejected_push_too():
+    # A replayed DyLU run: worker 0 takes 4 minibatches a period, worker 1 two; worker 0's second applied push comes
+    # after one rejected one (skip 1), whose period used up 4 more of its minibatches, not n_sync's 4 of worker 1's 2.
+    from helpers.problems import simulate_clean
+
+    trace = delays.Trace([0, 1, 0, 1], skips=[0, 0, 1, 0], steps=[4, 2], num=2)
+    result = simulate_clean(rules.diloco(0.5), trace, 4, n_sync=4, push="delta", local_lr=0.05)
+    assert np.asarray(result.state.data.taken).tolist() == [4 + 2 * 4, 2 + 2]
+    trace = delays.Trace([1, 0, 1], skips=[0, 0, 1], steps=[4, 2], num=2)  # (worker 1's skip: 2 of its own)
+    result = simulate_clean(rules.diloco(0.5), trace, 3, n_sync=4, push="delta", local_lr=0.05)
+    assert np.asarray(result.state.data.taken).tolist() == [4, 2 + 2 * 2]
+
+
+def test_a_rejected_nan_push_leaves_the_workers_adamw_state_as_it_was_and_the_run_replays(tmp_path):
+    # One example is NaN: the period that reads it pushes a NaN delta, which the store rejects. A pipelined store
+    # answers before it knows, so the worker keeps its new AdamW state only where its own check found the push finite:
+    # with the NaN moments kept, every later push was NaN and the run stopped as diverged.
+    from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+
+    from asgd_jax.plan import Plan
+    from asgd_jax.trainer import TrainConfig, train
+
+    data = {k: v.copy() for k, v in DATA.items()}
+    data["x"][5] = np.nan
+    sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw")
+    config = TrainConfig(Plan(2, num_updates=10, batch_size=4, **sync), seed=5, out=str(tmp_path), progress=False)
+    result = train(lsq_loss, rules.diloco(0.5), W0, data, config, devices=jax.devices()[:2])
+    assert result.pushes_applied == 10 and result.pushes_rejected >= 1 and np.isfinite(result.params).all()
+    records = [json.loads(line) for line in pathlib.Path(result.trace_path).read_text().splitlines()]
+    first = next(i for i, r in enumerate(records) if r.get("rejected"))
+    worker = records[first]["worker"]  # (its next pushes are applied: its AdamW state was not the NaN one)
+    assert any(r["worker"] == worker and not r.get("rejected") for r in records[first + 1 :]), records
+    trace = delays.Trace.load(result.trace_path, num=2)
+    replay = simulate_clean(rules.diloco(0.5), trace, 10, key=5, **sync)
+    np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)

@@ -252,6 +252,37 @@ def test_a_dead_applier_stops_the_run_at_once_with_its_error():
         _train(rule, config)
 
 
+def test_a_checkpoint_never_pins_trace_lines_that_could_not_be_written_out(tmp_path):
+    # The trace is flushed before a checkpoint pins its lines; when that flush fails (a full disk), the store stops with
+    # the trace's error and writes no checkpoint of those lines: the one on disk stays the last good one.
+    from asgd_jax.trainer.store import ParameterStore, StoreClosed
+
+    store = ParameterStore(
+        asgd_jax.asgd(0.1), {"w": np.zeros(3, np.float32)}, 2, out_dir=tmp_path, checkpoint_dir=tmp_path,
+        checkpoint_every=2,
+    )  # fmt: skip
+    try:
+        _, _, version = store.pull(0)
+        for _ in range(2):
+            _, _, version = store.push(0, {"w": np.ones(3, np.float32)}, version).result(timeout=30)
+        assert store.checkpoints.kept() == "the last checkpoint holds the last finite weights"  # (written: update 2)
+        assert json.loads(bytes(np.load(tmp_path / "checkpoint.npz")["__header__"]).decode())["trace_lines"] == 2
+
+        def full(*_):
+            raise OSError(28, "No space left on device")
+
+        store.ledger.trace.flush = full
+        for _ in range(2):
+            try:
+                _, _, version = store.push(0, {"w": np.ones(3, np.float32)}, version).result(timeout=30)
+            except StoreClosed:
+                break
+    finally:
+        store.close()
+    assert "No space left on device" in str(store.error)
+    assert json.loads(bytes(np.load(tmp_path / "checkpoint.npz")["__header__"]).decode())["trace_lines"] == 2
+
+
 def test_the_loss_of_a_program_that_failed_is_left_out_of_the_progress_not_raised_in_the_driver():
     # When the applier's program dies (above), a loss it was to compute may reach the driver's progress poll before the
     # store says why: reading it raised there, in the driver's place, instead of the store's error (a race: seen once

@@ -89,10 +89,10 @@ def async_schedule(c: Ctx, state: SimState, ts: jax.Array, k_delays: jax.Array, 
         # A replayed push rejected as NaN/Inf used up its minibatches: the shard moves past them (a drawn model's
         # skip is the literal 0, which leaves the program as it was).
         counters, used = carry[1][event.shard] + jnp.arange(n_sync, dtype=jnp.int32), n_sync
-        if event.steps is not None:  # DyLU: the period's own minibatches only (Workers.dylu never skips)
+        if event.steps is not None:  # DyLU: the period's own minibatches only (a replayed run's skips are periods too)
             used = event.steps
         if not (isinstance(event.skip, int) and event.skip == 0):
-            counters, used = counters + event.skip * n_sync, (1 + event.skip) * n_sync
+            counters, used = counters + event.skip * used, (1 + event.skip) * used
         taken = carry[1].at[event.shard].add(used)
         return _keep(valid, i, (delay_state, taken), carry), (event._replace(skip=None), counters)
 

@@ -23,6 +23,7 @@ is counted, traced and leaves the state as it was; only the moment the books lea
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -243,7 +244,9 @@ class Applier:
         elif store.num_updates is not None and applied >= store.num_updates:
             store.end_of_budget()
         if store.checkpoints.due(applied) and not store.diverged:
-            store.checkpoints.submit(store.checkpoint_contents())
+            # (an OSError: the trace's lines could not be written out; the store stopped, the last checkpoint stays)
+            with contextlib.suppress(OSError):
+                store.checkpoints.submit(store.checkpoint_contents())
         if self._snapshot_due(applied):
             # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
             weights = store.server.weights() if store.server.sends else answer

@@ -88,8 +88,8 @@ class Endpoint:
         """``worker``'s backup (the weights it last pulled, packed host buffers) and its data position."""
         params, model_state, version = self.store.packed_backup(0 if self.discipline.rounds else worker)
         # A round method's workers read their own shards at their own pace; SSGD's all at the rounds'.
-        position = self.store.ledger.positions[0 if self.discipline.kind == "ssgd" else worker]
-        with self.store.lock:
+        with self.store.lock:  # (the position and the inner state of one and the same push)
+            position = self.store.ledger.positions[0 if self.discipline.kind == "ssgd" else worker]
             inner = self.store.ledger.inner.get(worker)
         return Sync(Weights(params, model_state, version), int(position), inner)
 

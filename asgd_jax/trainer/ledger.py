@@ -146,13 +146,14 @@ class Ledger:
 
     def header(self) -> dict[str, Any]:
         """The counts as a checkpoint's header keys, and the trace they belong to (a resume keeps exactly its lines
-        and refuses any other trace)."""
+        and refuses any other trace); an ``OSError`` when those lines cannot be written out (the store stops)."""
         counts = {"applied": self.applied, "rejected": self.rejected, "received": self.received, "late": self.late}
-        if self.trace is not None:  # the lines it pins are on disk first
+        if self.trace is not None:  # the lines it pins are on disk first, or there is no checkpoint of them
             try:
                 self.trace.flush()
             except OSError as e:
                 self._on_write_error(self.trace.path, e)
+                raise
         pinned = {} if self.trace is None else {"trace_lines": self.trace.lines, "trace_sha256": self.trace.digest()}
         staleness = {str(k): v for k, v in self.staleness_counts.items()}
         return {**counts, "ignored": self.ignored, **pinned, "staleness_counts": staleness}

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, SupportsFloat, SupportsInt, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -293,6 +294,9 @@ class Worker:
                 lambda packed: exchange.inner_optimizer(ex.inner, 0.0).init(setup.layouts[0].unpack(packed))
             )
         self._inner_init = shared["inner init"]
+        if "adopt" not in shared:  # the new inner state where the push was finite, else the old (on the devices)
+            shared["adopt"] = jax.jit(lambda ok, new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old))
+        self._adopt = shared["adopt"]
         # DyLU: the worker's own steps, placed once on its devices (an argument: one program for every worker).
         self._steps = None if setup.steps is None else jax.device_put(np.int32(setup.steps), self.group.replicated)
 
@@ -376,10 +380,12 @@ class Worker:
                     weights, t1 = self.link.pull(s.worker), time.perf_counter()
                     out = self._compute(weights, batches)
                 payload, model_state, loss, finite = out[0], out[1], out[2], out[4]
-                if not s.direct:
-                    payload, model_state, loss, finite = jax.device_get((payload, model_state, loss, finite))
-                t2 = time.perf_counter()
                 kept = out[5] if s.exchange.keeps_inner_state else None
+                if not s.direct:  # (through the host: to a store elsewhere, a Ray actor; the inner state too)
+                    payload, model_state, loss, finite, kept = jax.device_get(
+                        (payload, model_state, loss, finite, kept)
+                    )
+                t2 = time.perf_counter()
                 pushed = Checked(payload, finite)  # (its check made in the period's program: the store trusts it)
                 answer = self.link.push(
                     s.worker, pushed, weights.version, model_state if s.stateful else None, loss, kept
@@ -393,8 +399,12 @@ class Worker:
                 stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=loss)
                 if answer.status == "ok":
                     weights = answer.fresh()
-                    if s.exchange.keeps_inner_state:  # applied: the period's steps count (not a rejected one's)
-                        self.inner = out[5]
+                    if s.exchange.keeps_inner_state:  # applied: the period's steps count (not a rejected one's:
+                        # a pipelined store answers before it knows, and it rejects exactly the non-finite pushes)
+                        if isinstance(finite, jax.Array):  # (on the devices: nothing waited for)
+                            self.inner = self._adopt(finite, out[5], self.inner)
+                        elif finite:
+                            self.inner = out[5]
                 elif answer.status == "closed":
                     break
                 else:  # "rejected" (NaN/Inf: its minibatches are used up) or "resync": start again from the store
