@@ -188,7 +188,13 @@ class Plan:
                 f"{type(self.delays).__name__} over Workers(dylu=True): DyLU is a plain Workers model's (its events "
                 "carry each push's steps); use Workers(M, dylu=True) itself."
             )
-        dylu = getattr(self.delays, "dylu", False) or isinstance(getattr(self.delays, "steps", None), np.ndarray)
+        steps = getattr(self.delays, "steps", None)  # (a DyLU run's Trace: each worker's steps)
+        if isinstance(steps, np.ndarray) and steps.max() > self.n_sync:
+            raise errors.ConfigError(
+                f"the trace's steps={steps.tolist()} exceed n_sync={self.n_sync}: a worker takes at most the period's "
+                "n_sync minibatches; give the n_sync of the run that recorded them."
+            )
+        dylu = getattr(self.delays, "dylu", False) or isinstance(steps, np.ndarray)
         if dylu and (self.mode != "async" or not local_steps or self.n_sync == 1):
             raise errors.ConfigError(
                 f"Workers(dylu=True) (or a DyLU run's Trace) gives each worker its share of n_sync={self.n_sync} local "

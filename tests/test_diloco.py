@@ -267,6 +267,8 @@ def test_dylu_is_refused_outside_asynchronous_local_sgd():
     assert TrainConfig(Plan(law, push="delta", n_sync=4, local_lr=0.1)).plan.delays.dylu  # (the trainer runs it)
     with pytest.raises(ConfigError, match=r"steps=\[4, 0\] is invalid: .* 2 ints >= 1"):
         delays.Trace([0, 1], steps=[4, 0])
+    with pytest.raises(ConfigError, match=r"the trace's steps=\[8, 2\] exceed n_sync=4"):
+        Plan(delays.Trace([0, 1], steps=[8, 2]), push="delta", n_sync=4, local_lr=0.1)
     with pytest.raises(ConfigError, match=r"Ringmaster over Workers\(dylu=True\)"):
         Plan(delays.Ringmaster(law, 2), push="delta", n_sync=4, local_lr=0.1)
     with pytest.raises(ConfigError, match="dylu"):
