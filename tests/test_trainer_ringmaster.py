@@ -109,3 +109,15 @@ def test_a_resumed_ringmaster_run_keeps_its_counts_and_replays(tmp_path):
     assert again.pushes_ignored >= first.pushes_ignored  # counted over the whole run, the checkpoint's included
     replayed = replay_clean(tmp_path, asgd_jax.asgd(0.05), seed=5)
     np.testing.assert_allclose(replayed.params, again.params, rtol=1e-6, atol=1e-7)
+
+
+def test_an_ignored_push_leaves_the_workers_adamw_state_as_it_was_and_the_run_replays(tmp_path):
+    # Ringmaster's ignored push changed no weight, and in the simulator its period does not run: the worker goes on at
+    # the current weights with the inner state of its last applied push (it kept its ignored period's: 0.15 apart).
+    sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw")
+    plan = Plan(delays.Ringmaster(3, 2), num_updates=30, batch_size=4, **sync)
+    config = TrainConfig(plan, seed=5, out=str(tmp_path), progress=False, slowdown={0: 20.0})
+    result = train(lsq_loss, asgd_jax.rules.diloco(0.5), W0, DATA, config, devices=jax.devices()[:3])
+    assert result.pushes_ignored > 0
+    replayed = replay_clean(tmp_path, asgd_jax.rules.diloco(0.5), seed=5)
+    np.testing.assert_allclose(replayed.params, result.params, rtol=1e-5, atol=1e-6)

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from asgd_jax.trainer.messages import BadPush, Computed, Snapshot, StoreClosed
+from asgd_jax.trainer.messages import BadPush, Computed, Ignored, Snapshot, StoreClosed
 
 if TYPE_CHECKING:
     from asgd_jax.trainer.store import ParameterStore
@@ -145,7 +145,7 @@ class Applier:
         if store.threshold is not None and store.applied - pulled_version >= store.threshold:
             with store.lock:  # Ringmaster: nothing applied; the worker pulls the current weights and goes on
                 store.ledger.ignored_push(worker, pulled_version, uses_minibatch=True)
-            future.set_result(store.pull(worker, packed=packed))
+            future.set_result(Ignored(*store.pull(worker, packed=packed)))
             return waited
         if store.pipelined:
             seconds = self._dispatch(worker, payload, model_state, round_info, packed, inner, future)

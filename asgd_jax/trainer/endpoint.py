@@ -15,7 +15,17 @@ import optax
 
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.discipline import Discipline
-from asgd_jax.trainer.messages import Answer, BadPush, Computed, Progress, StaleRound, StoreClosed, Sync, Weights
+from asgd_jax.trainer.messages import (
+    Answer,
+    BadPush,
+    Computed,
+    Ignored,
+    Progress,
+    StaleRound,
+    StoreClosed,
+    Sync,
+    Weights,
+)
 from asgd_jax.trainer.store import ParameterStore
 
 __all__ = ["Endpoint", "for_run", "readable_losses"]
@@ -127,7 +137,7 @@ class Endpoint:
             self._losses.append(loss)
         if self.discipline.rounds and self.store.closed:  # that was the last round: nobody computes another one
             return Answer("closed", None, self.store.status().error or "the store reached its number of updates")
-        return Answer("ok", Weights(*weights))
+        return Answer("ok", Weights(*weights), applied=not isinstance(weights, Ignored))
 
     def push_computed(self, worker: int, push: Computed) -> Answer:
         """A :class:`~asgd_jax.trainer.messages.Computed` push (a worker on a pipelined store's device): the store runs

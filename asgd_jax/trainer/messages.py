@@ -17,6 +17,7 @@ __all__ = [
     "Checked",
     "Computed",
     "Finished",
+    "Ignored",
     "Progress",
     "Snapshot",
     "StaleRound",
@@ -86,14 +87,26 @@ class Computed(NamedTuple):
     model_key: Any
 
 
+class Ignored(NamedTuple):
+    """The weights a push was answered with when the store applied nothing of it: ignored as too stale (Ringmaster's
+    threshold), or the round it completed was rejected (a NaN/Inf mean). The worker goes on at them, as after an
+    applied push, but what its period did to its own state (an inner optimizer's) does not count."""
+
+    params: Any
+    model_state: Any
+    version: SupportsInt
+
+
 class Answer(NamedTuple):
     """A store's answer to a push (see :data:`ANSWERS`); ``weights`` for ``"ok"``, ``why`` otherwise; ``loss``: a
-    :class:`Computed` push's training loss (on the device)."""
+    :class:`Computed` push's training loss (on the device); ``applied``: whether an ``"ok"`` push changed the weights
+    (not one the store ignored, :class:`Ignored`)."""
 
     status: str
     weights: Weights | None
     why: str = ""
     loss: Any = None
+    applied: bool = True
 
     def fresh(self) -> Weights:
         """The weights an ``"ok"`` or ``"restart"`` answer carries (the worker computes at them next)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from asgd_jax import exchange
 from asgd_jax.trainer.discipline import Gather
-from asgd_jax.trainer.messages import BadPush, StaleRound, StoreClosed
+from asgd_jax.trainer.messages import BadPush, Ignored, StaleRound, StoreClosed
 
 if TYPE_CHECKING:
     from asgd_jax.trainer.store import ParameterStore
@@ -150,20 +150,21 @@ class Rounds:
             answer: tuple | StoreClosed = pushed.result(timeout=timeout)
         except BadPush as e:
             log.warning("round at version %d: %s", pulled_version, e)
-            answer = self.weights(packed=True)
+            answer = Ignored(*self.weights(packed=True))  # (nothing of the round applied)
         except StoreClosed as e:
             answer = e
         self._number, self._answer = number + 1, answer
         self._cv.notify_all()
         return self._reply(packed)
 
-    def _reply(self, packed: bool) -> tuple[Any, Any, int]:
-        """The last round's answer, as this caller wants it."""
+    def _reply(self, packed: bool) -> tuple[Any, Any, Any]:
+        """The last round's answer, as this caller wants it (:class:`Ignored` for a rejected round's)."""
         if isinstance(self._answer, BaseException):
             raise self._answer
         assert self._answer is not None  # (read after a round ended)
         params, model_state, version = self._answer
-        return (*self.store.reply((params, model_state), packed), version)
+        reply = (*self.store.reply((params, model_state), packed), version)
+        return Ignored(*reply) if isinstance(self._answer, Ignored) else reply
 
     def abort(self, why: str) -> None:
         """Calls the rounds off: every worker waiting in one gets :class:`StoreClosed` saying ``why``."""

@@ -399,8 +399,9 @@ class Worker:
                 stats.add(data=t1 - t0, compute=t2 - t1, exchange=t3 - t2, loss=loss)
                 if answer.status == "ok":
                     weights = answer.fresh()
-                    if s.exchange.keeps_inner_state:  # applied: the period's steps count (not a rejected one's:
-                        # a pipelined store answers before it knows, and it rejects exactly the non-finite pushes)
+                    if s.exchange.keeps_inner_state and answer.applied:  # applied: the period's steps count (not
+                        # an ignored or rejected one's: a pipelined store answers before it knows, and it rejects
+                        # exactly the non-finite pushes)
                         if isinstance(finite, jax.Array):  # (on the devices: nothing waited for)
                             self.inner = self._adopt(finite, out[5], self.inner)
                         elif finite:
