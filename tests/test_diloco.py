@@ -379,6 +379,8 @@ def test_train_dylu_flag_gives_the_workers_their_steps_and_names_a_bad_value(tmp
     assert exit_info.value.code == 2 and "'1,fast' is not speeds" in capsys.readouterr().err
     assert main([*flags, "--dylu", "1,0.5", "--msync", "1"]) == 2
     assert "choose one of --ringmaster, --rennala, --msync, --dylu" in capsys.readouterr().err
+    assert main([*flags, "--dylu", "1,0.5,0.25"]) == 2
+    assert "dylu='1,0.5,0.25' (--dylu) is invalid: give 2 speeds, one per worker" in capsys.readouterr().err
 
 
 def test_a_dylu_trace_moves_a_shard_by_its_workers_own_steps_past_a_rejected_push_too():

@@ -267,6 +267,10 @@ def train_config(args: argparse.Namespace):
     elif args.msync is not None:
         workers = delays.MSync(args.workers, args.msync)
     elif args.dylu is not None:
+        speeds = ",".join(f"{v:g}" for v in args.dylu)
+        errors.require(
+            len(args.dylu) == args.workers, "dylu", speeds, f"give {args.workers} speeds, one per worker", "--dylu"
+        )
         workers = delays.Workers(args.workers, speeds=args.dylu, dylu=True)
     plan = Plan(workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
     skip = ("plan", "slowdown")
