@@ -271,23 +271,18 @@ def worker_function(
     def run(p, ms, b, k, v, w):
         return packed(*work(grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr))
 
-    def run_inner(p, ms, b, k, v, w, inner):  # (a worker's inner optimizer: its state in and out, last)
-        payload, ms, value, aux, inner = work(
-            grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr, inner
-        )
-        return *packed(payload, ms, value, aux), inner
-
-    def run_dylu(p, ms, b, k, v, w, *inner_and_steps):  # (DyLU: the worker's steps last; its inner state before them)
-        *inner, steps = inner_and_steps
+    def run_own(
+        p, ms, b, k, v, w, *own
+    ):  # the worker's own: its inner optimizer's state (first), its DyLU steps (last)
+        inner = own[:1] if ex.keeps_inner_state else ()
+        steps = own[-1] if dylu else None
         out = work(
             grad_fn, ex, layout.unpack(p), state_layout.unpack(ms), b, model_key(k, v, w), lr, *inner, steps=steps
         )
         return (*packed(*out[:4]), *out[4:])
 
-    if dylu:
-        return jax.jit(run_dylu)
-    if ex.keeps_inner_state:  # one program whatever the backend (the local steps scan the inner optimizer)
-        return jax.jit(run_inner)
+    if dylu or ex.keeps_inner_state:  # one program whatever the backend (the local steps scan)
+        return jax.jit(run_own)
     if loop == "scan" or ex.n_sync == 1:
         return jax.jit(run)
 

@@ -225,13 +225,13 @@ class Workers(_Counted):
           >>> asgd_jax.delays.Workers(4, speeds=[1.0, 0.5, 0.25, 0.1], dylu=True).local_steps(8).tolist()
           [8, 4, 2, 1]
         """
+        if not self.dylu:
+            return jnp.full((self.num,), n_sync, jnp.int32)
         speed = jnp.ones((self.num,), jnp.float32)
         if self.speeds is not None:
             speed = speed * jnp.asarray(self.speeds, jnp.float32)
         if self.times is not None:
             speed = speed / jnp.asarray(self.times, jnp.float32)
-        if not self.dylu:
-            return jnp.full((self.num,), n_sync, jnp.int32)
         fastest = speed.max()
         # (XLA divides by a reciprocal: 0.5 * 8 may come out 3.9999998. A millionth up keeps an exact share whole;
         # the fastest runs all of them.)

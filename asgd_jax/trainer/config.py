@@ -228,7 +228,8 @@ class TrainConfig:
 
 
 def _check_plan(plan: Any) -> None:
-    """What of a plan the trainer runs: a Plan of M real workers, no virtual-time budget, plain SGD local steps."""
+    """What of a plan the trainer runs: a Plan of M real workers (or an optimal-time method's), no virtual-time
+    budget."""
     errors.require(isinstance(plan, Plan), "plan", plan, "give an asgd_jax.Plan(workers, num_updates=...)")
     errors.require(
         isinstance(plan.delays, TRAINABLE),

@@ -265,7 +265,7 @@ class StoreState:
     def placed(self, worker: int, payload: Any, model_state: Any, packed: bool | None) -> tuple[Any, tuple]:
         """A push's payload and model state checked (:meth:`packed_payload`) and moved to the store's device,
         explicitly; a :class:`~asgd_jax.trainer.messages.Checked` one keeps its worker's flag (trusted), with it."""
-        finite = payload.finite if isinstance(payload, Checked) else None
+        finite = _flagged(payload)[-1]
         g, ms, finite = self.put((*self.packed_payload(worker, payload, model_state, packed), finite))
         return (g if finite is None else Checked(g, finite)), ms
 
@@ -297,8 +297,7 @@ class StoreState:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
         worker's pull: one program, the state updated in place; waits for its flags and answer on the host. A
         :class:`~asgd_jax.trainer.messages.Checked` payload brings its finite check (its worker's)."""
-        g, ok = (payload.payload, payload.finite) if isinstance(payload, Checked) else (payload, None)
-        self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], g, model_state, ok)
+        self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], *_flagged(payload, model_state))
         flags, sent = host((flags, sent))  # one transfer call for the flags and the answer
         staleness, ok, sound = (int(x) for x in flags)
         return Exchanged(bool(ok), staleness, bool(sound), sent)
@@ -306,8 +305,9 @@ class StoreState:
     def dispatch(self, worker: int, payload: tuple | Checked, model_state: tuple) -> Dispatched:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
         flags later; the answer goes to the worker as it is)."""
-        g, ok = (payload.payload, payload.finite) if isinstance(payload, Checked) else (payload, None)
-        self.stored, flags, sent, version = self._exchange(self.stored, self._ids[worker], g, model_state, ok)
+        self.stored, flags, sent, version = self._exchange(
+            self.stored, self._ids[worker], *_flagged(payload, model_state)
+        )
         return Dispatched(flags, sent, version)
 
     def dispatch_computed(self, worker: int, push: Computed, *, state: Stored | None = None) -> tuple[Dispatched, Any]:
@@ -391,8 +391,7 @@ class StoreState:
     def lower(self, worker: int, payload: tuple | Checked, model_state: tuple) -> jax.stages.Lowered:
         """The exchange for a packed payload (or a :class:`~asgd_jax.trainer.messages.Checked` one: the program that
         takes its flag), lowered (``.compile().as_text()`` is its optimised HLO)."""
-        g, ok = (payload.payload, payload.finite) if isinstance(payload, Checked) else (payload, None)
-        return self._exchange.lower(self.stored, self._ids[worker], *self.put((g, model_state, ok)))
+        return self._exchange.lower(self.stored, self._ids[worker], *self.put(_flagged(payload, model_state)))
 
     def lost(self) -> bool:
         """Whether a failing exchange consumed the donated state."""
@@ -404,6 +403,14 @@ class StoreState:
 
 
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+def _flagged(payload: tuple | Checked, *model_state: tuple) -> tuple:
+    """A payload's buffers, the model state when given, and its worker's finite flag (``None``: a plain payload, which
+    the exchange checks itself): the exchange program's arguments after the state and the worker."""
+    if isinstance(payload, Checked):
+        return (payload.payload, *model_state, payload.finite)
+    return (payload, *model_state, None)
 
 
 def host(packed: Any) -> Any:

@@ -50,15 +50,7 @@ from asgd_jax import checkpoint, errors, server
 from asgd_jax.trainer.applier import Applier
 from asgd_jax.trainer.discipline import Gather
 from asgd_jax.trainer.ledger import Ledger
-from asgd_jax.trainer.messages import (
-    BadPush,
-    Computed,
-    Snapshot,
-    StaleRound,
-    StoreClosed,
-    StoreStatus,
-    StoreTimes,
-)
+from asgd_jax.trainer.messages import BadPush, Computed, Snapshot, StaleRound, StoreClosed, StoreStatus, StoreTimes
 from asgd_jax.trainer.persistence import Checkpoints, check_header, trace_pin
 from asgd_jax.trainer.rounds import Rounds
 from asgd_jax.trainer.state import StoreState, host_copy

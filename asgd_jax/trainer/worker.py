@@ -327,9 +327,11 @@ class Worker:
                 return self.work(*inputs, *steps)
         if self.inner is None:  # the worker's first state, from the weights' shapes (or the store's, restored), placed
             # on its devices (a state that reads no input comes out of jit on the default device, whatever the input's)
-            fresh = self._inner_init(inputs.params)
-            if self._restored is not None:
-                fresh = jax.tree.unflatten(jax.tree.structure(fresh), self._restored)
+            if self._restored is None:
+                fresh = self._inner_init(inputs.params)
+            else:  # (the state's structure only: nothing computed)
+                structure = jax.tree.structure(jax.eval_shape(self._inner_init, inputs.params))
+                fresh = jax.tree.unflatten(structure, self._restored)
             self.inner = jax.device_put(fresh, self.group.replicated)
         with self.group.feeding():
             return self.work(*inputs, self.inner, *steps)
