@@ -39,6 +39,7 @@ import optax
 import asgd_jax
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.messages import Checked
 from asgd_jax.trainer.store import ParameterStore
 
 BATCH = 32  # per worker (--batch)
@@ -109,16 +110,17 @@ def store_push(params, state, pushes: int, store_device: str = "cpu") -> tuple[f
     device = TrainConfig(store_device=store_device).store_device_now()
     with tempfile.TemporaryDirectory() as out:
         store = ParameterStore(rule, params, 4, model_state=state, out_dir=out, device=device)
-        store.warm_up()
+        store.warm_up(checked=True)
         grads = jax.tree.map(lambda x: np.full(x.shape, 1e-3, np.float32), params)
         payload, model_state = store.layout.pack_host(grads), store.model_state_layout.pack_host(state)
+        checked = Checked(payload, np.bool_(True))  # (as a worker pushes it: its finite check made in its program)
         whole = []
         for i in range(pushes):
             t0 = time.perf_counter()
-            store.push(i % 4, payload, i, model_state, packed=True).result()
+            store.push(i % 4, checked, i, model_state, packed=True).result()
             whole.append(time.perf_counter() - t0)
-        compiled = store.lower_exchange(0, payload, model_state).compile()
-        args = jax.device_put((np.int32(0), payload, model_state), store.device)
+        compiled = store.server.lower(0, checked, model_state).compile()
+        args = jax.device_put((np.int32(0), payload, model_state, np.bool_(True)), store.device)
         store.state()  # (settled: nothing in flight)
         live = jax.device_put(jax.device_get(store.server.stored), store.device)  # a copy, looped as the store does
         alone = []
