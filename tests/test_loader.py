@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import asgd_jax
+from asgd_jax.trainer import loader as loader_lib
 from asgd_jax.trainer.loader import ShardLoader
 
 N = 50
@@ -101,3 +102,20 @@ def test_bad_arguments_raise(kwargs, match):
     args = {"worker": 0, "num_workers": 2, "batch_size": 4, "key": jax.random.key(0), **kwargs}
     with pytest.raises(ValueError, match=match):
         ShardLoader(DATA, **args)
+
+
+@pytest.mark.parametrize(("start", "rows"), [(0, 3), (5, 3), (1, 200_000)])
+def test_blocks_hand_out_exactly_the_batches_in_order(start, rows):
+    # Batches come in blocks (one indexing per array), across epochs, from a resumed position: the same batches, in
+    # the same order, as batch(j) one at a time; a source whose batch is over BLOCK_BYTES comes a batch a block.
+    data = {"x": np.arange(N * rows, dtype=np.float32).reshape(N, rows), "y": np.arange(N)}
+    key = jax.random.key(5)
+    with ShardLoader(data, worker=1, num_workers=2, batch_size=4, key=key, start_batch=start) as it:
+        taken = _take(it, 20)  # 6 batches an epoch: several epochs, several blocks
+        big = 4 * rows * np.float32().itemsize > loader_lib.BLOCK_BYTES  # (a batch of x alone)
+        assert it.block_size == (1 if big else loader_lib.MAX_BLOCK)
+        for i, batch in enumerate(taken):
+            expected = it.batch(start + i)
+            assert batch.keys() == expected.keys()
+            for k in batch:
+                np.testing.assert_array_equal(batch[k], expected[k])

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,8 @@ import asgd_jax
 from asgd_jax import checkpoint
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.endpoint import Endpoint
+from asgd_jax.trainer.loader import ShardLoader
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,21 +45,24 @@ def _python(script: str) -> subprocess.CompletedProcess:
 
 
 def test_a_process_killed_mid_training_resumes_and_the_trace_still_replays(tmp_path):
-    # A real SIGKILL in a child process, at a data fetch of worker 0 (its 7th minibatch or later, somewhere after
-    # update 20) once a periodic checkpoint is on disk.
+    # A real SIGKILL in a child process, as a worker takes a minibatch, the 21st of the run or later, once a periodic
+    # checkpoint is on disk (every worker that gets there first waits for it: nothing depends on timing).
     killed = _python(f"""
-        import os, signal, sys
+        import itertools, os, signal, sys, time
         sys.path.insert(0, "tests")
-        import jax, asgd_jax.trainer.loader
+        import asgd_jax
+        from asgd_jax.trainer.loader import ShardLoader
         from helpers.problems import DATA, W0, lsq_loss, simulate_clean
         from test_trainer_lifecycle import rule
         from asgd_jax.trainer import TrainConfig, train
-        original = asgd_jax.trainer.loader.ShardLoader.batch
-        def batch(self, j):
-            if self.worker == 0 and j >= 6 and os.path.exists({str(tmp_path / "checkpoint.npz")!r}):
+        original, taken = ShardLoader.__next__, itertools.count()
+        def take(self):
+            if next(taken) >= 20:
+                while not os.path.exists({str(tmp_path / "checkpoint.npz")!r}):
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return original(self, j)
-        asgd_jax.trainer.loader.ShardLoader.batch = batch
+            return original(self)
+        ShardLoader.__next__ = take
         train(lsq_loss, rule(), W0, DATA, TrainConfig(asgd_jax.Plan(4, num_updates=40, batch_size=4,
               checkpoint_every=5), seed=3, out={str(tmp_path)!r}, progress=False))
     """)
@@ -114,27 +120,32 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one(tmp_
 
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch):
     # Ctrl-C raises KeyboardInterrupt in the thread that runs train(), which sits in the driver's loop polling the
-    # store. Simulated there (whatever thread the test runner uses), once worker 1 has asked for its 5th minibatch.
-    original = asgd_jax.trainer.loader.ShardLoader.batch
-    original_poll = asgd_jax.trainer.endpoint.Endpoint.progress
-    pressed, slow = [], []
+    # store. Simulated there (whatever thread the test runner uses), once the workers have asked for 20 minibatches:
+    # from then on they wait until the store has closed, so the run cannot finish first.
+    original, original_poll, original_close = ShardLoader.__next__, Endpoint.progress, Endpoint.close
+    taken, asked, pressed, closed = itertools.count(), threading.Event(), threading.Event(), threading.Event()
 
-    def batch(self, j):
-        if self.worker == 1 and j == 4:
-            pressed.append(True)
-            slow.append(True)
-        if slow:  # from then on data is slow, so the run cannot finish before the main thread reacts
-            time.sleep(0.2)
-        return original(self, j)
+    def take(self):
+        if next(taken) >= 20:
+            asked.set()
+            closed.wait(60)
+        return original(self)
 
     def progress(self):
-        if pressed:
-            pressed.clear()  # pressed once
+        if asked.is_set() and not pressed.is_set():
+            pressed.set()  # pressed once
             raise KeyboardInterrupt
         return original_poll(self)
 
-    monkeypatch.setattr(asgd_jax.trainer.loader.ShardLoader, "batch", batch)
-    monkeypatch.setattr(asgd_jax.trainer.endpoint.Endpoint, "progress", progress)
+    def close(self):
+        try:
+            return original_close(self)
+        finally:
+            closed.set()
+
+    monkeypatch.setattr(ShardLoader, "__next__", take)
+    monkeypatch.setattr(Endpoint, "progress", progress)
+    monkeypatch.setattr(Endpoint, "close", close)
     with pytest.raises(KeyboardInterrupt, match="resume=True continues"):
         train(
             lsq_loss,
@@ -147,8 +158,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_finishes_the_run(tmp_path, 
     stopped_at = _header(tmp_path)["applied"]
     assert 0 < stopped_at < 40  # the final checkpoint holds every applied update (no checkpoint_every was set)
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == stopped_at
-    monkeypatch.setattr(asgd_jax.trainer.loader.ShardLoader, "batch", original)
-    monkeypatch.setattr(asgd_jax.trainer.endpoint.Endpoint, "progress", original_poll)
+    monkeypatch.undo()
     result = train(
         lsq_loss,
         rule(),

@@ -4,7 +4,9 @@ A :class:`ShardLoader` is what a trainer's worker reads when the data does not l
 layout as the simulator (:func:`asgd_jax.order.shard_indices` under the run's data key), so worker w's k-th batch
 here is the simulator's worker w's k-th batch, which is what makes a recorded run replayable; under a fixed partition
 (:mod:`asgd_jax.partition`) it walks the worker's own examples as the simulator does. Batches have a fixed shape (the
-remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` batches ready.
+remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` blocks of them ready, a block
+gathered from in-memory NumPy arrays with one indexing per array (up to :data:`BLOCK_BYTES`; the batches views of it),
+so a worker's minibatch costs it no hand-off between threads but one a block.
 
 Example:
   >>> import numpy as np, jax, asgd_jax
@@ -18,7 +20,10 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -30,7 +35,14 @@ import numpy as np
 
 from asgd_jax import errors, exchange, order, partition
 
-__all__ = ["ShardLoader"]
+__all__ = ["BLOCK_BYTES", "ShardLoader"]
+
+BLOCK_BYTES = 1 << 20
+"""The bytes of host memory one block of an in-memory source's batches takes at most (at least one batch, at most
+:data:`MAX_BLOCK` of them): gathered with one indexing per array, handed to the worker in one queue operation."""
+
+MAX_BLOCK = 64
+"""The most batches in one block."""
 
 
 class ShardLoader(Iterator[dict[str, np.ndarray]]):
@@ -45,7 +57,7 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
       key: the run's key (the same key gives the simulator's order).
       transform: optional ``transform(batch) -> batch`` applied on the host thread (decoding, normalisation).
       start_batch: how many of this worker's batches to skip (resume).
-      prefetch: batches kept ready.
+      prefetch: blocks of batches kept ready (:data:`BLOCK_BYTES`).
       assignment: a fixed partition's :class:`asgd_jax.partition.Assignment` (the run's, every worker the same);
         None: IID shards re-dealt every epoch.
     """
@@ -87,6 +99,8 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         self.taken = start_batch  # batches handed out so far
         self._cache: tuple[int, np.ndarray] = (-1, np.empty(0, np.int32))
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._ready: collections.deque = collections.deque()  # the consumer's side of the block it took last
+        self.block_size = _block_size(source, batch_size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(start_batch,), daemon=True, name=f"loader-{worker}")
         self._thread.start()
@@ -120,29 +134,41 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
             batch = {k: np.stack([np.asarray(r[k]) for r in records]) for k in records[0]}
         return self.transform(batch) if self.transform is not None else batch
 
+    def block(self, j: int, n: int) -> list[dict[str, np.ndarray]]:
+        """Batches ``j .. j + n - 1``, transformed, as :meth:`batch` gives them; from in-memory arrays gathered with one
+        indexing per array (the batches are views of one block)."""
+        if not self._arrays or n == 1:
+            return [self.batch(i) for i in range(j, j + n)]
+        idx = np.concatenate([self.indices(i) for i in range(j, j + n)])
+        gathered = {k: np.asarray(v)[idx].reshape(n, self.batch_size, *np.shape(v)[1:]) for k, v in self.source.items()}
+        batches = [{k: v[i] for k, v in gathered.items()} for i in range(n)]
+        return batches if self.transform is None else [self.transform(b) for b in batches]
+
     def _fill(self, j: int) -> None:
         try:
             while not self._stop.is_set():
-                item = self.batch(j)
+                item = self.block(j, min(self.block_size, self.per_epoch - j % self.per_epoch))  # (within an epoch)
                 while not self._stop.is_set():
-                    try:
+                    try:  # (close() empties the queue: a full one wakes it at once)
                         self._queue.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
-                j += 1
+                j += len(item)
         except BaseException as e:  # surfaced to the consumer, not lost on the thread
             self._queue.put(e)
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._stop.is_set():
             raise StopIteration
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise RuntimeError(f"loader of worker {self.worker} failed: {item}") from item
+        if not self._ready:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise RuntimeError(f"loader of worker {self.worker} failed: {item}") from item
+            self._ready.extend(item)
         self.taken += 1
-        return item
+        return self._ready.popleft()
 
     @property
     def epoch(self) -> int:
@@ -150,8 +176,11 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         return self.taken // self.per_epoch
 
     def close(self) -> None:
-        """Stops the prefetch thread (idempotent)."""
+        """Stops the prefetch thread (idempotent; at once: a thread waiting to hand over a block finds room)."""
         self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
         self._thread.join(timeout=5)
 
     def __enter__(self) -> ShardLoader:
@@ -159,6 +188,15 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _block_size(source: Any, batch_size: int) -> int:
+    """Batches in one block: of in-memory NumPy arrays :data:`BLOCK_BYTES` of them, 1 to :data:`MAX_BLOCK`; of any
+    other source one (a random-access source's records, an array-like column that reads itself on each access)."""
+    if not isinstance(source, Mapping) or not all(isinstance(v, np.ndarray) for v in source.values()):
+        return 1
+    per_batch = batch_size * sum(math.prod(v.shape[1:]) * v.itemsize for v in source.values())
+    return max(1, min(MAX_BLOCK, BLOCK_BYTES // max(per_batch, 1)))
 
 
 @functools.partial(jax.jit, static_argnames=("batch_size", "rows"))
