@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,12 @@ from helpers.compiles import compilations
 from helpers.problems import DATA, W0, lsq_loss, simulate_clean, train_config
 
 import asgd_jax
+from asgd_jax import exchange, packing
+from asgd_jax.loss import as_loss
 from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
+from asgd_jax.trainer.endpoint import Endpoint
+from asgd_jax.trainer.loader import ShardLoader
 
 
 @pytest.fixture
@@ -75,6 +80,32 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     assert sum(w.pushes for w in result.workers) == result.pushes_sent
 
 
+@pytest.mark.parametrize("push", ["delta", "accumulate", "gradients"])
+def test_every_way_of_compiling_a_period_computes_the_same(push):
+    # A CPU worker's period is unrolled into one program up to CPU_UNROLL steps and a program per step beyond; an
+    # accelerator's is one rolled scan (exchange.period_loop). The same payload, loss and check every way.
+    n_sync, local_lr = 5, None if push == "accumulate" else 0.05
+    plan = Plan(2, num_updates=1, batch_size=4, n_sync=n_sync, push=push, local_lr=local_lr)
+    ex = exchange.Exchange.create(plan, DATA)
+    loss, layouts = as_loss(lsq_loss, has_model_state=False), packing.layouts(W0, None)
+    rng = np.random.default_rng(0)
+    batches = {k: rng.normal(size=(n_sync, 4, *v.shape[1:])).astype(np.float32) for k, v in DATA.items()}
+    put = lambda x: jax.device_put(x, jax.devices("cpu")[0])
+    args = (layouts[0].pack(put(W0 + 0.1)), layouts[1].pack(None), batches, jax.random.key(3), put(np.int32(4)))
+    outputs = {
+        (loop, unroll): jax.device_get(
+            exchange.worker_function(loss, ex, 2, local_lr, layouts, loop=loop, unroll=unroll)(*args, put(np.int32(1)))
+        )
+        for loop, unroll in [("scan", 1), ("scan", n_sync), ("steps", 1)]
+    }
+    first = outputs[("scan", 1)]
+    for way, out in outputs.items():
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(first), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=str(way))
+    assert exchange.period_loop("cpu", n_sync) == ("scan", n_sync)
+    assert exchange.period_loop("cpu", exchange.CPU_UNROLL + 1) == ("steps", 1)
+
+
 def test_a_worker_on_the_stores_device_is_computed_by_the_store_and_trains_the_same(tmp_path, no_implicit_transfers):
     # One worker on cpu:0: with the store there too, the store runs the worker's period and the exchange as one
     # program (messages.Computed; the worker books it all as compute); with the store on cpu:1, two programs and a
@@ -114,14 +145,33 @@ def test_workers_that_share_a_device_share_its_compilation(tmp_path, store_devic
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
-    original = asgd_jax.trainer.loader.ShardLoader.batch
+    # Worker 1's data fails at its first read; the others read nothing until that failure is known (continue) or has
+    # ended the run (stop): the outcome does not depend on which thread runs first.
+    original_block, original_next, original_end = ShardLoader.block, ShardLoader.__next__, Endpoint.end
+    failed, ended = threading.Event(), threading.Event()
 
-    def failing(self, j):
-        if self.worker == 1 and j >= 2:
+    def block(self, j, n):
+        if self.worker == 1:
             raise OSError("disk went away")
-        return original(self, j)
+        return original_block(self, j, n)
 
-    monkeypatch.setattr(asgd_jax.trainer.loader.ShardLoader, "batch", failing)
+    def take(self):
+        if self.worker != 1:
+            (failed if policy == "continue" else ended).wait(60)
+            return original_next(self)
+        try:
+            return original_next(self)
+        except RuntimeError:
+            failed.set()
+            raise
+
+    def end(self, why):
+        original_end(self, why)
+        ended.set()
+
+    monkeypatch.setattr(ShardLoader, "block", block)
+    monkeypatch.setattr(ShardLoader, "__next__", take)
+    monkeypatch.setattr(Endpoint, "end", end)
     result = train(
         lsq_loss,
         asgd_jax.asgd(0.05),

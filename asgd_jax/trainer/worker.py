@@ -107,7 +107,8 @@ class WorkerSetup:
         process: device to device, nothing waited for), not through the host.
       computed: the worker's device is a pipelined store's own (in this process): the store runs its period and the
         exchange as one program (:class:`~asgd_jax.trainer.messages.Computed`), where a period is one program (not
-        XLA:CPU's local steps, each its own) and nothing waits on the period (no straggling, no stops).
+        a long period on XLA:CPU, a program per step: :func:`asgd_jax.exchange.period_loop`) and nothing waits on the
+        period (no straggling, no stops).
       assignment: the run's fixed partition (:class:`asgd_jax.partition.Assignment`), None for IID shards.
       steps: DyLU (``Workers(dylu=True)``): the minibatches of the worker's periods that count, its share of
         ``n_sync`` by its speed (:meth:`asgd_jax.delays.Workers.local_steps`); ``None``: all of them.
@@ -269,16 +270,15 @@ class Worker:
     ):
         self.setup, self.link, self.data = setup, link, data
         ex = setup.exchange
-        # XLA:CPU runs a lax.scan's convolutions several times slower than a step compiled alone: there, the local
-        # steps are programs of their own; an accelerator runs the whole period as one.
-        loop = "steps" if devices[0].platform == "cpu" else "scan"
+        # How the local steps are compiled on these devices (XLA:CPU: unrolled, or a program per step when long).
+        loop, unroll = exchange.period_loop(devices[0].platform, ex.n_sync)
         # One function for the workers of a process (``shared``: theirs, by loop): the worker's id is an argument, so
         # workers that share a device share its compilation too (and the store's program of their computed pushes).
         shared = {} if shared is None else shared
         dylu = setup.steps is not None  # (one program taking the worker's steps: a scan, on any device)
         if loop not in shared:
             shared[loop] = exchange.worker_function(
-                loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop, dylu=dylu
+                loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop, dylu=dylu, unroll=unroll
             )
         self.work = shared[loop]
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
