@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from asgd_jax.trainer.messages import BadPush, Computed, Ignored, Snapshot, StoreClosed
+from asgd_jax.trainer.messages import BadPush, Computed, Ignored, Snapshot, StoreClosed, StoreTimes
 
 if TYPE_CHECKING:
     from asgd_jax.trainer.store import ParameterStore
@@ -114,8 +114,8 @@ class Applier:
         except BaseException as e:
             self._died(e, item)
             return
-        self.store.add_times(idle=t1 - since, exchange=exchange_seconds, pushes=1)
-        self.store.add_times(bookkeeping=time.perf_counter() - t1 - exchange_seconds)
+        bookkeeping = time.perf_counter() - t1 - exchange_seconds
+        self.store.add_times(StoreTimes(1, exchange_seconds, bookkeeping, t1 - since))
 
     def _died(self, error: BaseException, item: tuple | None) -> None:
         """A failing apply stops the run at once, with its error; the push it died on is answered too."""

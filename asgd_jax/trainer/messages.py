@@ -8,6 +8,7 @@ between Ray actors) is one of these: a typo is an ``AttributeError`` at once, no
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, NamedTuple, SupportsFloat, SupportsInt
 
 __all__ = [
@@ -132,6 +133,10 @@ class StoreTimes(NamedTuple):
     bookkeeping: float = 0.0
     idle: float = 0.0
     transfer_in: float = 0.0
+
+    def plus(self, other: StoreTimes) -> StoreTimes:
+        """The two added up, field by field."""
+        return StoreTimes(*map(operator.add, self, other))
 
 
 class StoreStatus(NamedTuple):

@@ -345,7 +345,7 @@ class StoreState:
     @staticmethod
     def settle(dispatched: Dispatched) -> Exchanged:
         """A dispatched exchange's flags on the host (waits for the device), its answer left where it lies."""
-        staleness, ok, sound = (int(x) for x in np.asarray(dispatched.flags))
+        staleness, ok, sound = np.asarray(dispatched.flags).tolist()
         return Exchanged(bool(ok), staleness, bool(sound), dispatched.answer)
 
     def pull(self, worker: int) -> tuple:

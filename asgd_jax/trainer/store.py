@@ -194,7 +194,7 @@ class ParameterStore:
                 with self.lock:
                     self.ledger.rejected += 1
                 raise
-            self.add_times(transfer_in=time.perf_counter() - t0)
+            self.add_times(StoreTimes(transfer_in=time.perf_counter() - t0))
         future: Future = Future()
         self.applier.put((worker, payload, model_state, pulled_version, round_info, packed, inner, future))
         return future
@@ -353,11 +353,10 @@ class ParameterStore:
         """The budget is reached: no more pushes are taken (those in flight are answered "closed")."""
         self._closed.set()
 
-    def add_times(self, **seconds: float) -> None:
-        """Adds to the store's times (:class:`StoreTimes`)."""
+    def add_times(self, times: StoreTimes) -> None:
+        """Adds ``times`` to the store's (:class:`StoreTimes`)."""
         with self._error_lock:
-            t = self._times
-            self._times = t._replace(**{k: getattr(t, k) + v for k, v in seconds.items()})
+            self._times = self._times.plus(times)
 
 
 def _check_worker(worker: int, num_workers: int) -> None:
