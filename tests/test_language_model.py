@@ -8,7 +8,6 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -119,7 +118,7 @@ def test_the_transformer_is_causal(position, token, seed):
     tokens = np.random.default_rng(seed).integers(0, 28, size=(2, 16)).astype(np.int32)
     changed = tokens.copy()
     changed[:, position] = (tokens[:, position] + 1 + token) % 28  # (another token: token <= 26)
-    before, after = (model.apply(params, state, jnp.asarray(t))[0] for t in (tokens, changed))
+    before, after = (_logits(model)(params, state, t) for t in (tokens, changed))
     np.testing.assert_allclose(after[:, :position], before[:, :position], rtol=1e-5, atol=1e-6)
     assert not np.allclose(after[:, position:], before[:, position:])
 
@@ -127,6 +126,12 @@ def test_the_transformer_is_causal(position, token, seed):
 @functools.cache
 def _init(model):
     return model.init(jax.random.key(0))
+
+
+@functools.cache
+def _logits(model):
+    """The model's logits, jitted (one program, where eagerly each of its ops compiles on its own)."""
+    return jax.jit(lambda params, state, x: model.apply(params, state, x)[0])
 
 
 def test_the_same_transformer_made_twice_is_one_model_and_its_options_are_checked_by_name():
@@ -157,7 +162,7 @@ def test_the_loss_and_error_are_per_token_and_the_perplexity_is_their_exponentia
     params, state = _init(model)
     held_out = {"x": ds.x_test[:40], "y": ds.y_test[:40]}
     metrics = asgd_jax.classification_eval(model, held_out, batch_size=16)(params, state)  # 2 batches + a rest
-    logits = model.apply(params, state, jnp.asarray(held_out["x"]))[0]
+    logits = _logits(model)(params, state, held_out["x"])
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, held_out["y"])  # [40, 64]
     np.testing.assert_allclose(metrics["loss"], per_token.mean(), rtol=1e-5)
     np.testing.assert_allclose(metrics["error"], (logits.argmax(-1) != held_out["y"]).mean(), rtol=1e-6)

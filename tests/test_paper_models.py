@@ -65,10 +65,11 @@ def test_batchnorm_trains_on_batch_statistics_and_evaluates_on_running_ones():
 
 @pytest.mark.slow
 def test_resnet20_trains_through_the_simulator_and_evaluates_with_the_servers_state():
-    model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(32, 32, 3))
+    # (16 x 16 images: ResNet-20's layers and weights, a quarter of CIFAR-10's arithmetic)
+    model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(16, 16, 3))
     params, state = model.init(jax.random.key(0))
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 32, 32, 3)).astype(np.float32)
+    x = rng.normal(size=(32, 16, 16, 3)).astype(np.float32)
     y = rng.integers(0, 10, size=32).astype(np.int32)
     x += y[:, None, None, None] * 0.3  # learnable: the label shifts the mean
     evaluate = asgd_jax.classification_eval(model, {"x": x, "y": y})

@@ -188,14 +188,14 @@ def test_bf16_computes_in_bf16_with_float32_weights_gradients_and_state():
     params, state = model.init(jax.random.key(0))
     batch = {"x": jnp.ones((4, 8, 8, 3)), "y": jnp.arange(4)}
     loss = asgd_jax.classification_loss(model)
-    grads, (new_state, _) = jax.grad(lambda p: loss(p, state, batch, jax.random.key(1)), has_aux=True)(params)
+    # (jitted: one program each, where eagerly every op of the network compiled on its own)
+    grad = jax.jit(jax.grad(lambda p: loss(p, state, batch, jax.random.key(1)), has_aux=True))
+    grads, (new_state, _) = grad(params)
     assert {x.dtype for x in jax.tree.leaves((params, grads, new_state))} == {jnp.dtype(jnp.float32)}
-    text = jax.jit(lambda p: model.apply(p, state, batch["x"])[0]).lower(params).as_text()
-    assert "bf16" in text  # the convolutions run in bf16
+    logits = jax.jit(lambda m, p: m.apply(p, state, batch["x"])[0], static_argnums=0)
+    assert "bf16" in logits.lower(model, params).as_text()  # the convolutions run in bf16
     full = dataclasses.replace(model, dtype="float32")
-    np.testing.assert_allclose(
-        model.apply(params, state, batch["x"])[0], full.apply(params, state, batch["x"])[0], atol=0.1
-    )
+    np.testing.assert_allclose(logits(model, params), logits(full, params), atol=0.1)
 
 
 def test_a_bf16_trainer_run_converges_and_its_trace_replays_with_the_same_policy(tmp_path):
