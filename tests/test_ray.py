@@ -167,10 +167,12 @@ def _histogram(records):
 
 def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray, tmp_path):
     """The worker loop's stops over the store actor's link: a worker 10^6 x slower is stopped (it waits on the store
-    actor's version) and restarts at the current weights; none of its pushes is applied; the trace replays."""
+    actor's version) and restarts at the current weights; none of its pushes is applied; the trace replays. Every
+    minibatch read takes 50 ms (SlowColumn): the fast worker's 30 updates last 1.5 s at least, so its actor cannot
+    finish the run before the straggler's has started (on a loaded machine it once did, in a fraction of that)."""
     plan = Plan(asgd_jax.delays.Ringmaster(2, 2, stops=True), num_updates=30, batch_size=4)  # the 2 CPUs' 2 actors
     config = TrainConfig(plan, seed=3, backend="ray", out=str(tmp_path), slowdown={0: 1e6}, timeout=LIMIT)
-    result = train(lsq_loss, rule(), W0, DATA, config)
+    result = train(lsq_loss, rule(), W0, {"x": SlowColumn(DATA["x"]), "y": DATA["y"]}, config)
     assert result.pushes_applied == 30 and result.workers[0].stopped >= 1
     assert result.pushes_sent == result.pushes_applied + result.pushes_rejected + result.pushes_ignored
     lines = [json.loads(x) for x in pathlib.Path(result.trace_path).read_text().splitlines()]
@@ -182,10 +184,11 @@ def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray,
 
 def test_m_synchronous_on_ray_stops_the_straggler_at_each_round_and_replays(local_ray, tmp_path):
     """Rounds gathered by the store actor: m = 1 of 2 workers, the other 10^6 x slower, stopped at every round's end
-    over the actor link; every round is worker 1's, and the recorded rounds replay."""
+    over the actor link; every round is worker 1's, and the recorded rounds replay (slow minibatch reads, 50 ms each:
+    the straggler has started long before the last round, as in the Ringmaster test above)."""
     plan = Plan(asgd_jax.delays.MSync(2, 1), num_updates=20, batch_size=4)
     config = TrainConfig(plan, seed=3, backend="ray", out=str(tmp_path), slowdown={0: 1e6}, timeout=LIMIT)
-    result = train(lsq_loss, rule(), W0, DATA, config)
+    result = train(lsq_loss, rule(), W0, {"x": SlowColumn(DATA["x"]), "y": DATA["y"]}, config)
     lines = [json.loads(x) for x in pathlib.Path(result.trace_path).read_text().splitlines()]
     assert result.pushes_applied == 20 and [x["round"] for x in lines] == [[1]] * 20
     assert result.workers[0].stopped >= 1

@@ -8,7 +8,7 @@ import pathlib
 
 import jax
 import numpy as np
-from helpers.problems import DATA, W0, lsq_loss, replay_clean
+from helpers.problems import DATA, W0, lsq_loss, replay_clean, straggler_waits_first
 
 import asgd_jax
 from asgd_jax import delays, trace
@@ -66,10 +66,11 @@ def test_a_ringmaster_run_keeps_staleness_below_r_and_replays(tmp_path):
     _check_ringmaster_invariants(*_run(tmp_path, stops=False, slowdown={0: 20.0}))
 
 
-def test_a_computation_r_stale_is_stopped_and_restarted(tmp_path):
+def test_a_computation_r_stale_is_stopped_and_restarted(tmp_path, monkeypatch):
     """A worker that would take forever (10^6 x slower) is stopped each time the others move the store R updates on,
     and restarts at the current weights on the same minibatches: none of its pushes is applied, nothing waits for it,
     and the trace replays."""
+    straggler_waits_first(monkeypatch)
     result, replayed, lines = _run(tmp_path, stops=True, slowdown={0: 1e6})
     _check_ringmaster_invariants(result, replayed, lines)
     assert result.workers[0].stopped >= 1

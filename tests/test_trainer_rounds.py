@@ -9,7 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss, replay_clean
+from helpers.problems import DATA, W0, lsq_loss, replay_clean, straggler_waits_first
 
 import asgd_jax
 from asgd_jax import delays, trace
@@ -64,10 +64,11 @@ SGD_SMALL = asgd_jax.rules.get("sgd", 0.05)
 
 
 @pytest.mark.parametrize("model", [delays.MSync(3, 2), delays.Rennala(3, 2, stops=True)])
-def test_a_round_method_stops_the_straggler_and_its_rounds_replay(tmp_path, model):
+def test_a_round_method_stops_the_straggler_and_its_rounds_replay(tmp_path, model, monkeypatch):
     """A worker 10^6 x slower never finishes: every round's end stops it and it restarts at the new weights on the same
     minibatch, so every round is the other two workers' (m-Synchronous: one each, in worker order), and the recorded
     rounds replay in the simulator to the same weights."""
+    straggler_waits_first(monkeypatch)
     result, lines = _run(tmp_path, model, slowdown={0: 1e6})
     rounds = [x["round"] for x in lines if not x.get("ignored")]
     assert result.pushes_applied == 30 and len(rounds) == 30 and not any(0 in r for r in rounds)

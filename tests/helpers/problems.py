@@ -2,6 +2,7 @@
 and a random start (the simulator's tests), and the simulator run on it."""
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -143,3 +144,25 @@ def replay_trainer_run(loss, rule, params, data, run, *, num, batch_size, num_up
     return asgd_jax.simulate(
         loss, rule, params, data, plan, model_state=model_state, key=jax.random.key(seed), progress=False
     )
+
+
+def straggler_waits_first(monkeypatch, straggler: int = 0) -> None:
+    """In a threaded run, the other workers take their first minibatch only once ``straggler`` waits on the store's
+    version (its computation began, and it can be stopped): however the threads are scheduled (a loaded machine),
+    the run cannot end before the straggler's stop is in place."""
+    from asgd_jax.trainer.endpoint import Endpoint
+    from asgd_jax.trainer.loader import ShardLoader
+
+    take, wait_version, waiting = ShardLoader.__next__, Endpoint.wait_version, threading.Event()
+
+    def gated_take(self):
+        if self.worker != straggler:
+            waiting.wait(60)
+        return take(self)
+
+    def noted_wait(self, version, timeout):
+        waiting.set()  # (only the straggler can be here first: the others wait for their first minibatch)
+        return wait_version(self, version, timeout)
+
+    monkeypatch.setattr(ShardLoader, "__next__", gated_take)
+    monkeypatch.setattr(Endpoint, "wait_version", noted_wait)
