@@ -176,7 +176,8 @@ def work(
     optimizer, :attr:`Exchange.inner`) the local steps are that optimizer's, and the new state ends the tuple. With
     ``steps`` (DyLU: an int32 below ``n_sync``) only the first ``steps`` minibatches count: the later ones change
     nothing. ``unroll``: the local steps' scan unrolled by this many (XLA:CPU runs a rolled scan's convolutions
-    several times slower than straight-line code); the same arithmetic.
+    several times slower than straight-line code); the same arithmetic (XLA may round an inner optimizer's masked
+    DyLU steps differently).
     """
     if inner_state is not None or steps is not None:
         state = () if inner_state is None else inner_state
@@ -287,8 +288,8 @@ def worker_function(
 
     ``loop``: how ``n_sync > 1`` local steps are compiled (:func:`period_loop` chooses per platform). ``"scan"``: one
     program (a GPU or TPU runs the period without asking the host), its scan unrolled by ``unroll``; ``"steps"``: one
-    program per minibatch, called ``n_sync`` times from Python. The same arithmetic every way (the replay tests hold
-    for each). With an inner optimizer
+    program per minibatch, called ``n_sync`` times from Python. The same arithmetic every way, the same bits but for an
+    inner optimizer's DyLU period (to float rounding); the replay tests hold for each. With an inner optimizer
     (:attr:`Exchange.keeps_inner_state`) the function is one program taking the worker's state of it last and giving
     the new state last. ``dylu``: it takes the worker's own number of steps (an int32 on its devices) last of all,
     one program whatever the device (:func:`work`'s ``steps``)."""

@@ -305,7 +305,9 @@ def test_a_trainer_run_with_adamw_inner_steps_replays_in_the_simulator(tmp_path,
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_resumed_trainer_run_with_adamw_inner_steps_gets_each_workers_state_back_and_replays(tmp_path, mode):
+def test_a_resumed_trainer_run_with_adamw_inner_steps_gets_each_workers_state_back_and_replays(
+    tmp_path, mode, monkeypatch
+):
     # The store keeps each worker's AdamW state as of its last applied push and checkpoints it; a resumed worker goes
     # on from it. The trace of the whole run then replays in the simulator (whose workers never lost theirs).
     from helpers.problems import DATA, W0, lsq_loss, simulate_clean
@@ -319,13 +321,13 @@ def test_a_resumed_trainer_run_with_adamw_inner_steps_gets_each_workers_state_ba
         Plan(3, num_updates=n, batch_size=4, **sync), seed=5, out=str(tmp_path), progress=False, **kw
     )
     run = lambda n, **kw: train(lsq_loss, rules.diloco(0.5), W0, DATA, config(n, **kw), devices=jax.devices()[:3])
+    if mode == "async":  # no worker starts its second period before each has pushed once: all three in the first 9
+        _every_worker_pushes_first(monkeypatch, 3, period=3)
     run(first)
+    monkeypatch.undo()
     with np.load(tmp_path / "checkpoint.npz") as f:
         kept = [k.split("_")[2:] for k in f.files if k.startswith("array_inner_")]  # (worker, leaf)
-    # Each worker's whose push was applied (an SSGD round: every worker's; asynchronously, those in the trace)
-    records = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
-    pushed = {"0", "1", "2"} if mode == "sync" else {str(r["worker"]) for r in records}
-    assert {w for w, _ in kept} == pushed and len(kept) == len(pushed) * len({i for _, i in kept}) > 3
+    assert {w for w, _ in kept} == {"0", "1", "2"} and len(kept) == 3 * len({i for _, i in kept}) > 3
     result = run(steps, resume=True)
     assert result.resumed_from == first and result.pushes_applied == steps
     trace = delays.Trace.load(result.trace_path, num=3) if mode == "async" else delays.Workers(3)
@@ -421,3 +423,28 @@ def test_a_rejected_nan_push_leaves_the_workers_adamw_state_as_it_was_and_the_ru
     trace = delays.Trace.load(result.trace_path, num=2)
     replay = simulate_clean(rules.diloco(0.5), trace, 10, key=5, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+def _every_worker_pushes_first(monkeypatch, workers: int, period: int) -> None:
+    """In a threaded run, a worker takes the minibatches of its second period only once every worker has pushed."""
+    import threading
+
+    from asgd_jax.trainer.endpoint import Endpoint
+    from asgd_jax.trainer.loader import ShardLoader
+
+    take, push, pushed, everyone = ShardLoader.__next__, Endpoint.push, set(), threading.Event()
+
+    def gated_take(self):
+        if self.taken >= period:
+            everyone.wait(60)
+        return take(self)
+
+    def noted_push(self, worker, *args, **kwargs):
+        answer = push(self, worker, *args, **kwargs)
+        pushed.add(worker)
+        if len(pushed) == workers:
+            everyone.set()
+        return answer
+
+    monkeypatch.setattr(ShardLoader, "__next__", gated_take)
+    monkeypatch.setattr(Endpoint, "push", noted_push)

@@ -119,3 +119,22 @@ def test_blocks_hand_out_exactly_the_batches_in_order(start, rows):
             assert batch.keys() == expected.keys()
             for k in batch:
                 np.testing.assert_array_equal(batch[k], expected[k])
+
+
+def test_a_transform_that_fails_mid_block_hands_over_the_batches_before_it_and_the_thread_starts_when_read():
+    calls = []
+
+    def fails_third(batch):
+        calls.append(None)
+        if len(calls) == 3:
+            raise ValueError("bad record")
+        return batch
+
+    it = ShardLoader(DATA, worker=7, num_workers=8, batch_size=2, key=jax.random.key(0), transform=fails_third)
+    assert it.block_size > 3
+    assert "loader-7" not in {t.name for t in threading.enumerate()}  # (a warm-up reads batch(0) alone: no thread)
+    good = _take(it, 2)
+    np.testing.assert_array_equal(good[1]["y"], it.batch(1)["y"])
+    with pytest.raises(RuntimeError, match="bad record"):
+        next(it)
+    assert "loader-7" not in {t.name for t in threading.enumerate()}

@@ -168,8 +168,9 @@ def _histogram(records):
 def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray, tmp_path):
     """The worker loop's stops over the store actor's link: a worker 10^6 x slower is stopped (it waits on the store
     actor's version) and restarts at the current weights; none of its pushes is applied; the trace replays. Every
-    minibatch read takes 50 ms (SlowColumn): the fast worker's 30 updates last 1.5 s at least, so its actor cannot
-    finish the run before the straggler's has started (on a loaded machine it once did, in a fraction of that)."""
+    minibatch read takes 50 ms (SlowColumn): the fast worker's 30 updates last 1.5 s at least, a margin of that much
+    for the straggler's actor to start its first computation (on a loaded machine, without it, the fast worker once
+    finished first). Actors are processes of their own: no in-process gate as the threaded tests have."""
     plan = Plan(asgd_jax.delays.Ringmaster(2, 2, stops=True), num_updates=30, batch_size=4)  # the 2 CPUs' 2 actors
     config = TrainConfig(plan, seed=3, backend="ray", out=str(tmp_path), slowdown={0: 1e6}, timeout=LIMIT)
     result = train(lsq_loss, rule(), W0, {"x": SlowColumn(DATA["x"]), "y": DATA["y"]}, config)
@@ -185,7 +186,7 @@ def test_ringmaster_with_stops_on_ray_stops_the_straggler_and_replays(local_ray,
 def test_m_synchronous_on_ray_stops_the_straggler_at_each_round_and_replays(local_ray, tmp_path):
     """Rounds gathered by the store actor: m = 1 of 2 workers, the other 10^6 x slower, stopped at every round's end
     over the actor link; every round is worker 1's, and the recorded rounds replay (slow minibatch reads, 50 ms each:
-    the straggler has started long before the last round, as in the Ringmaster test above)."""
+    a second's margin for the straggler to start before the last round, as in the Ringmaster test above)."""
     plan = Plan(asgd_jax.delays.MSync(2, 1), num_updates=20, batch_size=4)
     config = TrainConfig(plan, seed=3, backend="ray", out=str(tmp_path), slowdown={0: 1e6}, timeout=LIMIT)
     result = train(lsq_loss, rule(), W0, {"x": SlowColumn(DATA["x"]), "y": DATA["y"]}, config)
@@ -387,6 +388,8 @@ def test_both_backends_tell_a_slow_data_loader_alike(local_ray, tmp_path):
     loop starts, makes one per 50 ms after that, so a worker that used N minibatches spent at least
     (N - prefetch - 1) x 50 ms in its loop, and what of it compute and exchange do not explain is data wait."""
     data = {"x": SlowColumn(DATA["x"]), "y": DATA["y"]}
+    # (prefetch counts blocks of minibatches; a column that reads itself on each access, as SlowColumn does, comes a
+    # minibatch a block)
     ahead = inspect.signature(ShardLoader).parameters["prefetch"].default + 1
     summaries = {}
     for backend in ("threads", "ray"):

@@ -80,28 +80,39 @@ def test_trainer_trace_replays_in_the_simulator(tmp_path, rule_name, n_sync, pus
     assert sum(w.pushes for w in result.workers) == result.pushes_sent
 
 
-@pytest.mark.parametrize("push", ["delta", "accumulate", "gradients"])
-def test_every_way_of_compiling_a_period_computes_the_same(push):
+@pytest.mark.parametrize(
+    ("push", "inner", "dylu"),
+    [("delta", "sgd", False), ("accumulate", "sgd", False), ("gradients", "sgd", False), ("delta", "adamw", True)],
+)
+def test_every_way_of_compiling_a_period_computes_the_same(push, inner, dylu):
     # A CPU worker's period is unrolled into one program up to CPU_UNROLL steps and a program per step beyond; an
-    # accelerator's is one rolled scan (exchange.period_loop). The same payload, loss and check every way.
+    # accelerator's is one rolled scan (exchange.period_loop). The same payload, loss and check every way: the same
+    # bits, but for an inner optimizer's DyLU period (AdamW's masked steps: XLA rounds the unrolled one differently).
     n_sync, local_lr = 5, None if push == "accumulate" else 0.05
-    plan = Plan(2, num_updates=1, batch_size=4, n_sync=n_sync, push=push, local_lr=local_lr)
+    plan = Plan(2, num_updates=1, batch_size=4, n_sync=n_sync, push=push, local_lr=local_lr, inner=inner)
     ex = exchange.Exchange.create(plan, DATA)
     loss, layouts = as_loss(lsq_loss, has_model_state=False), packing.layouts(W0, None)
     rng = np.random.default_rng(0)
     batches = {k: rng.normal(size=(n_sync, 4, *v.shape[1:])).astype(np.float32) for k, v in DATA.items()}
     put = lambda x: jax.device_put(x, jax.devices("cpu")[0])
     args = (layouts[0].pack(put(W0 + 0.1)), layouts[1].pack(None), batches, jax.random.key(3), put(np.int32(4)))
+    own = (put(exchange.inner_optimizer(inner, 0.0).init(W0)), put(np.int32(3))) if dylu else ()
+    ways = [("scan", 1), ("scan", n_sync)] + ([] if dylu else [("steps", 1)])
     outputs = {
         (loop, unroll): jax.device_get(
-            exchange.worker_function(loss, ex, 2, local_lr, layouts, loop=loop, unroll=unroll)(*args, put(np.int32(1)))
+            exchange.worker_function(loss, ex, 2, local_lr, layouts, loop=loop, dylu=dylu, unroll=unroll)(
+                *args, put(np.int32(1)), *own
+            )
         )
-        for loop, unroll in [("scan", 1), ("scan", n_sync), ("steps", 1)]
+        for loop, unroll in ways
     }
     first = outputs[("scan", 1)]
     for way, out in outputs.items():
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(first), strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=str(way))
+            if dylu:
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=str(way))
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=str(way))
     assert exchange.period_loop("cpu", n_sync) == ("scan", n_sync)
     assert exchange.period_loop("cpu", exchange.CPU_UNROLL + 1) == ("steps", 1)
 
@@ -145,19 +156,21 @@ def test_workers_that_share_a_device_share_its_compilation(tmp_path, store_devic
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
-    # Worker 1's data fails at its first read; the others read nothing until that failure is known (continue) or has
-    # ended the run (stop): the outcome does not depend on which thread runs first.
-    original_block, original_next, original_end = ShardLoader.block, ShardLoader.__next__, Endpoint.end
+    # Worker 1's data fails at its first read. The others take their first 3 minibatches (3 + 3 updates: the budget is
+    # 30) and then nothing until that failure is known (continue) or has ended the run (stop): the outcome does not
+    # depend on which thread runs first.
+    original_gather, original_next, original_end = ShardLoader.gather, ShardLoader.__next__, Endpoint.end
     failed, ended = threading.Event(), threading.Event()
 
-    def block(self, j, n):
+    def gather(self, j, n):
         if self.worker == 1:
             raise OSError("disk went away")
-        return original_block(self, j, n)
+        return original_gather(self, j, n)
 
     def take(self):
         if self.worker != 1:
-            (failed if policy == "continue" else ended).wait(60)
+            if self.taken >= 3:
+                (failed if policy == "continue" else ended).wait(60)
             return original_next(self)
         try:
             return original_next(self)
@@ -169,7 +182,7 @@ def test_a_failing_worker_is_reported_and_never_deadlocks(monkeypatch, policy):
         original_end(self, why)
         ended.set()
 
-    monkeypatch.setattr(ShardLoader, "block", block)
+    monkeypatch.setattr(ShardLoader, "gather", gather)
     monkeypatch.setattr(ShardLoader, "__next__", take)
     monkeypatch.setattr(Endpoint, "end", end)
     result = train(

@@ -115,7 +115,7 @@ class Applier:
             self._died(e, item)
             return
         bookkeeping = time.perf_counter() - t1 - exchange_seconds
-        self.store.add_times(StoreTimes(1, exchange_seconds, bookkeeping, t1 - since))
+        self.store.add_times(StoreTimes(pushes=1, exchange=exchange_seconds, bookkeeping=bookkeeping, idle=t1 - since))
 
     def _died(self, error: BaseException, item: tuple | None) -> None:
         """A failing apply stops the run at once, with its error; the push it died on is answered too."""

@@ -4,9 +4,10 @@ A :class:`ShardLoader` is what a trainer's worker reads when the data does not l
 layout as the simulator (:func:`asgd_jax.order.shard_indices` under the run's data key), so worker w's k-th batch
 here is the simulator's worker w's k-th batch, which is what makes a recorded run replayable; under a fixed partition
 (:mod:`asgd_jax.partition`) it walks the worker's own examples as the simulator does. Batches have a fixed shape (the
-remainder of a shard sits out the epoch); a background thread keeps ``prefetch`` blocks of them ready, a block
-gathered from in-memory NumPy arrays with one indexing per array (up to :data:`BLOCK_BYTES`; the batches views of it),
-so a worker's minibatch costs it no hand-off between threads but one a block.
+remainder of a shard sits out the epoch); a background thread, started at the first minibatch taken, keeps
+``prefetch`` blocks of them ready, a block gathered from in-memory NumPy arrays with one indexing per array (up to
+:data:`BLOCK_BYTES`; the batches views of it), so a worker's minibatch costs it no hand-off between threads but one a
+block. A transform that fails on a batch of a block hands over the batches before it first, then the error.
 
 Example:
   >>> import numpy as np, jax, asgd_jax
@@ -38,8 +39,9 @@ from asgd_jax import errors, exchange, order, partition
 __all__ = ["BLOCK_BYTES", "ShardLoader"]
 
 BLOCK_BYTES = 1 << 20
-"""The bytes of host memory one block of an in-memory source's batches takes at most (at least one batch, at most
-:data:`MAX_BLOCK` of them): gathered with one indexing per array, handed to the worker in one queue operation."""
+"""The bytes of an in-memory source one block of its batches gathers at most, before any transform (at least one
+batch, at most :data:`MAX_BLOCK` of them): gathered with one indexing per array, handed to the worker in one queue
+operation."""
 
 MAX_BLOCK = 64
 """The most batches in one block."""
@@ -103,7 +105,6 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         self.block_size = _block_size(source, batch_size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(start_batch,), daemon=True, name=f"loader-{worker}")
-        self._thread.start()
 
     def indices(self, j: int) -> np.ndarray:
         """Example indices of this worker's j-th batch (a pure function of j; the epoch's shard is cached)."""
@@ -126,41 +127,61 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
 
     def batch(self, j: int) -> dict[str, np.ndarray]:
         """This worker's j-th batch, transformed (pure: does not advance the iterator)."""
-        idx = self.indices(j)
-        if self._arrays:
-            batch = {k: np.asarray(v)[idx] for k, v in self.source.items()}
-        else:
-            records = [self.source[int(i)] for i in idx]
-            batch = {k: np.stack([np.asarray(r[k]) for r in records]) for k in records[0]}
-        return self.transform(batch) if self.transform is not None else batch
+        return self._transformed(self._raw(j))
 
     def block(self, j: int, n: int) -> list[dict[str, np.ndarray]]:
-        """Batches ``j .. j + n - 1``, transformed, as :meth:`batch` gives them; from in-memory arrays gathered with one
-        indexing per array (the batches are views of one block)."""
+        """Batches ``j .. j + n - 1``, transformed, as :meth:`batch` gives them (:meth:`gather`'s)."""
+        return [self._transformed(b) for b in self.gather(j, n)]
+
+    def gather(self, j: int, n: int) -> list[dict[str, np.ndarray]]:
+        """Batches ``j .. j + n - 1`` as the source holds them (not transformed); from in-memory arrays gathered with
+        one indexing per array (the batches are views of one block)."""
         if not self._arrays or n == 1:
-            return [self.batch(i) for i in range(j, j + n)]
+            return [self._raw(i) for i in range(j, j + n)]
         idx = np.concatenate([self.indices(i) for i in range(j, j + n)])
         gathered = {k: np.asarray(v)[idx].reshape(n, self.batch_size, *np.shape(v)[1:]) for k, v in self.source.items()}
-        batches = [{k: v[i] for k, v in gathered.items()} for i in range(n)]
-        return batches if self.transform is None else [self.transform(b) for b in batches]
+        return [{k: v[i] for k, v in gathered.items()} for i in range(n)]
+
+    def _raw(self, j: int) -> dict[str, np.ndarray]:
+        idx = self.indices(j)
+        if self._arrays:
+            return {k: np.asarray(v)[idx] for k, v in self.source.items()}
+        records = [self.source[int(i)] for i in idx]
+        return {k: np.stack([np.asarray(r[k]) for r in records]) for k in records[0]}
+
+    def _transformed(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.transform(batch) if self.transform is not None else batch
 
     def _fill(self, j: int) -> None:
+        done: list = []
         try:
             while not self._stop.is_set():
-                item = self.block(j, min(self.block_size, self.per_epoch - j % self.per_epoch))  # (within an epoch)
-                while not self._stop.is_set():
-                    try:  # (close() empties the queue: a full one wakes it at once)
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                j += len(item)
-        except BaseException as e:  # surfaced to the consumer, not lost on the thread
-            self._queue.put(e)
+                done = []
+                for raw in self.gather(j, min(self.block_size, self.per_epoch - j % self.per_epoch)):  # (an epoch's)
+                    done.append(self._transformed(raw))
+                if not self._put(done):
+                    return
+                j += len(done)
+        except BaseException as e:  # surfaced to the consumer, not lost on the thread: after the block's good batches
+            if not done or self._put(done):
+                self._put(e)
+
+    def _put(self, item: Any) -> bool:
+        """Hands ``item`` over once there is room; False when the loader closed first (close() empties the queue, so a
+        thread waiting here wakes at once)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._stop.is_set():
             raise StopIteration
+        if self._thread.ident is None:  # (started at the first minibatch: a warm-up's loader reads only batch(0))
+            self._thread.start()
         if not self._ready:
             item = self._queue.get()
             if isinstance(item, BaseException):
@@ -181,7 +202,8 @@ class ShardLoader(Iterator[dict[str, np.ndarray]]):
         with contextlib.suppress(queue.Empty):
             while True:
                 self._queue.get_nowait()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
 
     def __enter__(self) -> ShardLoader:
         return self

@@ -299,7 +299,7 @@ class StoreState:
         :class:`~asgd_jax.trainer.messages.Checked` payload brings its finite check (its worker's)."""
         self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], *_flagged(payload, model_state))
         flags, sent = host((flags, sent))  # one transfer call for the flags and the answer
-        staleness, ok, sound = (int(x) for x in flags)
+        staleness, ok, sound = np.asarray(flags).tolist()
         return Exchanged(bool(ok), staleness, bool(sound), sent)
 
     def dispatch(self, worker: int, payload: tuple | Checked, model_state: tuple) -> Dispatched:

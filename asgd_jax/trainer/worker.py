@@ -272,15 +272,16 @@ class Worker:
         ex = setup.exchange
         # How the local steps are compiled on these devices (XLA:CPU: unrolled, or a program per step when long).
         loop, unroll = exchange.period_loop(devices[0].platform, ex.n_sync)
-        # One function for the workers of a process (``shared``: theirs, by loop): the worker's id is an argument, so
+        # One function for the workers of a process (``shared``: theirs, by way): the worker's id is an argument, so
         # workers that share a device share its compilation too (and the store's program of their computed pushes).
         shared = {} if shared is None else shared
         dylu = setup.steps is not None  # (one program taking the worker's steps: a scan, on any device)
-        if loop not in shared:
-            shared[loop] = exchange.worker_function(
+        way = f"{loop} {unroll}"
+        if way not in shared:
+            shared[way] = exchange.worker_function(
                 loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop, dylu=dylu, unroll=unroll
             )
-        self.work = shared[loop]
+        self.work = shared[way]
         self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
         one_program = loop == "scan" or ex.n_sync == 1
         self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None
