@@ -308,32 +308,15 @@ def worker_function(
         k = jax.random.fold_in(k, v)
         return jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
 
-    def run(p, ms, b, k, v, w):
-        ms = state_layout.unpack(ms)
-        return packed(*work(grad_fn, ex, layout.unpack(p), ms, b, model_key(k, v, w), lr, unroll=unroll))
-
-    def run_own(
-        p, ms, b, k, v, w, *own
-    ):  # the worker's own: its inner optimizer's state (first), its DyLU steps (last)
+    def run(p, ms, b, k, v, w, *own):  # own: the worker's inner-optimizer state (first), its DyLU steps (last)
         inner = own[:1] if ex.keeps_inner_state else ()
         steps = own[-1] if dylu else None
-        out = work(
-            grad_fn,
-            ex,
-            layout.unpack(p),
-            state_layout.unpack(ms),
-            b,
-            model_key(k, v, w),
-            lr,
-            *inner,
-            steps=steps,
-            unroll=unroll,
-        )
+        params, model_state, key = layout.unpack(p), state_layout.unpack(ms), model_key(k, v, w)
+        out = work(grad_fn, ex, params, model_state, b, key, lr, *inner, steps=steps, unroll=unroll)
         return (*packed(*out[:4]), *out[4:])
 
-    if dylu or ex.keeps_inner_state:  # one program whatever the backend (the local steps scan)
-        return jax.jit(run_own)
-    if loop == "scan" or ex.n_sync == 1:
+    # One program whatever the backend with a worker's own state or steps (the local steps scan), or when asked to.
+    if dylu or ex.keeps_inner_state or loop == "scan" or ex.n_sync == 1:
         return jax.jit(run)
 
     @jax.jit

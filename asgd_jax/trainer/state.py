@@ -297,8 +297,8 @@ class StoreState:
         """Applies a packed payload on the device (a non-finite one leaves the state as it was) and records the
         worker's pull: one program, the state updated in place; waits for its flags and answer on the host. A
         :class:`~asgd_jax.trainer.messages.Checked` payload brings its finite check (its worker's)."""
-        self.stored, flags, sent, _ = self._exchange(self.stored, self._ids[worker], *_flagged(payload, model_state))
-        flags, sent = host((flags, sent))  # one transfer call for the flags and the answer
+        dispatched = self.dispatch(worker, payload, model_state)
+        flags, sent = host((dispatched.flags, dispatched.answer))  # one transfer call for the flags and the answer
         staleness, ok, sound = np.asarray(flags).tolist()
         return Exchanged(bool(ok), staleness, bool(sound), sent)
 

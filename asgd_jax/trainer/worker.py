@@ -299,7 +299,7 @@ class Worker:
             shared["adopt"] = jax.jit(lambda ok, new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old))
         self._adopt = shared["adopt"]
         # DyLU: the worker's own steps, placed once on its devices (an argument: one program for every worker).
-        self._steps = None if setup.steps is None else jax.device_put(np.int32(setup.steps), self.group.replicated)
+        self._steps = () if setup.steps is None else (jax.device_put(np.int32(setup.steps), self.group.replicated),)
 
     def _start(self) -> tuple[Weights, ShardLoader]:
         """The weights to compute at and a loader at the data position, from what the store knows."""
@@ -322,10 +322,9 @@ class Worker:
         """The exchange period at ``weights`` on ``batches``, dispatched (not waited for); with an inner optimizer its
         new state is the last output (kept by :meth:`run` once the push is applied)."""
         inputs = self.group.place(self.setup.worker, weights.params, weights.model_state, batches, weights.version)
-        steps = () if self._steps is None else (self._steps,)
         if not self.setup.exchange.keeps_inner_state:
             with self.group.feeding():
-                return self.work(*inputs, *steps)
+                return self.work(*inputs, *self._steps)
         if self.inner is None:  # the worker's first state, from the weights' shapes (or the store's, restored), placed
             # on its devices (a state that reads no input comes out of jit on the default device, whatever the input's)
             if self._restored is None:
@@ -335,7 +334,7 @@ class Worker:
                 fresh = jax.tree.unflatten(structure, self._restored)
             self.inner = jax.device_put(fresh, self.group.replicated)
         with self.group.feeding():
-            return self.work(*inputs, self.inner, *steps)
+            return self.work(*inputs, self.inner, *self._steps)
 
     def warm_up(self) -> None:
         """Compiles the exchange-period function on one of this worker's minibatches (before a run's clock starts)."""
