@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -10,6 +11,7 @@ from concurrent.futures import Future
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import asgd_jax
@@ -344,3 +346,39 @@ def test_a_workers_payload_comes_with_its_own_check_and_the_store_reads_no_pass_
         assert reductions(Checked(ones, np.bool_(True))) == reductions(ones) - 1 >= 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_an_exchange_that_fails_on_the_device_ends_the_store_with_the_last_weights_it_answered(pipelined):
+    # A failing exchange consumes the donated state: its buffers are deleted, or, dispatched ahead (pipelined), they
+    # hold the exchange's error. Either way the store stops with the applier's error, and its final weights are those
+    # of the last push it answered (what a run returns), never the error (which once came out of a run's close).
+    fail = threading.Event()
+
+    def check(x):
+        if fail.is_set():
+            raise RuntimeError("injected fault on the device")
+        return x
+
+    base = asgd_jax.asgd(0.1)
+
+    def update(g, state, params=None, **extra):
+        return base.update(jax.tree.map(lambda x: jax.pure_callback(check, x, x), g), state, params, **extra)
+
+    store = ParameterStore(
+        optax.GradientTransformationExtraArgs(base.init, update), {"w": _G(0.0)}, 2, pipelined=pipelined
+    )
+    payload = lambda s: jax.device_put((_G(s),), store.device)  # (packed: one buffer, a worker's push)
+    try:
+        version = store.pull(0)[2]
+        *answered, version = store.push(0, payload(0.5), version, packed=True).result(timeout=30)
+        fail.set()
+        with contextlib.suppress(StoreClosed):  # (pipelined: answered at once, before the device ran it)
+            store.push(0, payload(1.0), version, packed=True).result(timeout=30)
+    finally:
+        store.close()
+    status = store.status()
+    assert store.server.lost() and "injected fault on the device" in str(status.error)
+    assert (status.received, status.applied, status.rejected) == (2, 1, 1)
+    np.testing.assert_array_equal(store.final_weights()[0]["w"], np.asarray(answered[0][0]))
+    np.testing.assert_array_equal(store.final_weights()[0]["w"], _G(-0.05))

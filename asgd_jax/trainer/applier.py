@@ -120,7 +120,9 @@ class Applier:
     def _died(self, error: BaseException, item: tuple | None) -> None:
         """A failing apply stops the run at once, with its error; the push it died on is answered too."""
         store = self.store
-        self._pending.clear()  # (the flags of a dispatched push could not be read: it is not in the books)
+        with contextlib.suppress(Exception):  # the pushes dispatched before the failing one ran: into the books
+            self.settle()
+        self._pending.clear()  # (what is left could not be read: the failing push, counted as rejected)
         store.fail(RuntimeError(f"the store's applier failed: {type(error).__name__}: {error}"))
         if item is not None and not item[-1].done():
             with store.lock:
@@ -217,7 +219,11 @@ class Applier:
                     if len(self._pending) <= keep:
                         return
                     worker, round_info, inner, dispatched = self._pending.popleft()
-                    out = self.store.server.settle(dispatched)
+                    try:
+                        out = self.store.server.settle(dispatched)
+                    except BaseException:  # its exchange failed on the device: counted, and the run stops
+                        self.store.ledger.rejected += 1
+                        raise
                     pulled_version = self.store.applied - out.staleness  # the store's own record
                     if out.ok:
                         self.store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)

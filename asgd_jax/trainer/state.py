@@ -394,8 +394,16 @@ class StoreState:
         return self._exchange.lower(self.stored, self._ids[worker], *self.put(_flagged(payload, model_state)))
 
     def lost(self) -> bool:
-        """Whether a failing exchange consumed the donated state."""
-        return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self.stored))
+        """Whether a failing exchange consumed the donated state: its buffers deleted (the exchange failed at its
+        dispatch) or holding the exchange's error (it failed on the device after a pipelined dispatch went on)."""
+        leaves = [x for x in jax.tree.leaves(self.stored) if isinstance(x, jax.Array)]
+        if any(x.is_deleted() for x in leaves):
+            return True
+        try:
+            jax.block_until_ready(leaves)
+        except jax.errors.JaxRuntimeError:
+            return True
+        return False
 
     def restore(self, state: server.ServerState) -> None:
         """Replaces the state with a checkpoint's (moved to the store's device)."""
