@@ -401,7 +401,7 @@ def test_a_dylu_trace_moves_a_shard_by_its_workers_own_steps_past_a_rejected_pus
     assert np.asarray(result.state.data.taken).tolist() == [4, 2 + 2 * 2]
 
 
-def test_a_rejected_nan_push_leaves_the_workers_adamw_state_as_it_was_and_the_run_replays(tmp_path):
+def test_a_rejected_nan_push_leaves_the_workers_adamw_state_as_it_was_and_the_run_replays(tmp_path, monkeypatch):
     # One example is NaN: the period that reads it pushes a NaN delta, which the store rejects. A pipelined store
     # answers before it knows, so the worker keeps its new AdamW state only where its own check found the push finite:
     # with the NaN moments kept, every later push was NaN and the run stopped as diverged.
@@ -414,6 +414,7 @@ def test_a_rejected_nan_push_leaves_the_workers_adamw_state_as_it_was_and_the_ru
     data["x"][5] = np.nan
     sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw")
     config = TrainConfig(Plan(2, num_updates=10, batch_size=4, **sync), seed=5, out=str(tmp_path), progress=False)
+    _in_lockstep(monkeypatch, 2, period=3, pushes=10)  # (the rejected worker pushes again, however fast the other)
     result = train(lsq_loss, rules.diloco(0.5), W0, data, config, devices=jax.devices()[:2])
     assert result.pushes_applied == 10 and result.pushes_rejected >= 1 and np.isfinite(result.params).all()
     records = [json.loads(line) for line in pathlib.Path(result.trace_path).read_text().splitlines()]
@@ -423,6 +424,36 @@ def test_a_rejected_nan_push_leaves_the_workers_adamw_state_as_it_was_and_the_ru
     trace = delays.Trace.load(result.trace_path, num=2)
     replay = simulate_clean(rules.diloco(0.5), trace, 10, key=5, **sync)
     np.testing.assert_allclose(replay.params, result.params, rtol=1e-5, atol=1e-6)
+
+
+def _in_lockstep(monkeypatch, workers: int, period: int, pushes: int) -> None:
+    """In a threaded run, a worker takes the minibatches of its period p + 1 only once every worker has pushed p times,
+    until ``pushes`` pushes have been made (the run may then be over: nobody waits for a worker that stopped)."""
+    import threading
+
+    from asgd_jax.trainer.endpoint import Endpoint
+    from asgd_jax.trainer.loader import ShardLoader
+
+    take, counts, changed = ShardLoader.__next__, [0] * workers, threading.Condition()
+
+    def gated_take(self):
+        with changed:
+            changed.wait_for(lambda: min(counts) >= self.taken // period or sum(counts) >= pushes, timeout=60)
+        return take(self)
+
+    def noted(push):  # (a worker on the store's device pushes computed pushes)
+        def noted_push(self, worker, *args, **kwargs):
+            answer = push(self, worker, *args, **kwargs)
+            with changed:
+                counts[worker] += 1
+                changed.notify_all()
+            return answer
+
+        return noted_push
+
+    monkeypatch.setattr(ShardLoader, "__next__", gated_take)
+    monkeypatch.setattr(Endpoint, "push", noted(Endpoint.push))
+    monkeypatch.setattr(Endpoint, "push_computed", noted(Endpoint.push_computed))
 
 
 def _every_worker_pushes_first(monkeypatch, workers: int, period: int) -> None:
