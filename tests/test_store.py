@@ -192,10 +192,10 @@ def test_a_store_device_that_is_not_there_is_refused_by_name(spec, says):
         TrainConfig(store_device=spec).store_device_now()
 
 
-def test_a_push_that_reaches_the_queue_after_the_store_closed_is_answered_and_counted():
-    """The race of a push that passed the closed check just before close(): it reached a queue nobody reads, its
+def test_a_push_that_reaches_the_applier_after_the_store_closed_is_answered_and_counted():
+    """The race of a push that passed the closed check just before close(): it once reached a queue nobody read, its
     future never resolved and it was counted as received only (sent 9 = applied 8 + rejected 0). Injected here by
-    queueing after close."""
+    handing it to the applier after close."""
     store = ParameterStore(asgd_jax.asgd(0.5), {"w": np.zeros(3, np.float32)}, 2)
     store.push(0, {"w": np.ones(3, np.float32)}, 0).result(timeout=60)
     store.close()

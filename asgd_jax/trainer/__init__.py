@@ -8,7 +8,7 @@ One wing, one module per part (ARCHITECTURE.md draws how they meet):
   plan exchanges (async, SSGD rounds, Ringmaster's threshold and stops, gathered rounds), one value derived once.
 * :mod:`~asgd_jax.trainer.messages`: what the parts tell each other, typed.
 * The store: :mod:`~asgd_jax.trainer.store` (:class:`~asgd_jax.trainer.store.ParameterStore`), its server state and
-  programs (:mod:`~asgd_jax.trainer.state`), applier thread (:mod:`~asgd_jax.trainer.applier`), books and trace
+  programs (:mod:`~asgd_jax.trainer.state`), applier (:mod:`~asgd_jax.trainer.applier`), books and trace
   (:mod:`~asgd_jax.trainer.ledger`), rounds (:mod:`~asgd_jax.trainer.rounds`), checkpoints and resume checks
   (:mod:`~asgd_jax.trainer.persistence`); :mod:`~asgd_jax.trainer.endpoint`, what workers and a driver talk to.
 * :mod:`~asgd_jax.trainer.worker` (the one worker loop) and its :mod:`~asgd_jax.trainer.loader`;

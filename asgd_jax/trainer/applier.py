@@ -1,11 +1,11 @@
-"""The store's applier: one thread that applies the queued pushes one at a time, in arrival order.
+"""The store's applier: the pushes applied one at a time, in arrival order, each by the thread that pushed it.
 
 Each push is either rejected (it came after the store closed; its payload held NaN/Inf), ignored (Ringmaster: computed
 ``threshold`` or more updates ago) or applied with the store's one exchange program, then written in the books and the
 trace, checkpointed and snapshotted where due, and answered. Its time goes to :class:`~asgd_jax.trainer.messages.
-StoreTimes`: the exchange program's (dispatch to answer on the host), the bookkeeping around it, and the idle wait for
-a push (the workers, not the store, set the pace). A dead applier stops the run at once with its error, and every push
-still queued is answered: nothing waits forever.
+StoreTimes`: the exchange program's (dispatch to answer on the host), the bookkeeping around it, and the store's idle
+time between the end of one push and the start of the next (the workers, not the store, set the pace). A failing apply
+stops the run at once with its error, and every push after it is answered as late: nothing waits forever.
 
 Pipelined (a plain asynchronous run in this process, ``store.pipelined``): the applier never waits for the device
 before it answers. It dispatches a push's exchange and answers at once with the exchange's outputs as they lie on the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -39,72 +38,42 @@ __all__ = ["Applier"]
 
 
 class Applier:
-    """The applier thread of ``store`` (started at once)."""
+    """Applies ``store``'s pushes, one at a time, in arrival order, each on the thread that pushed it."""
 
     def __init__(self, store: ParameterStore):
         self.store = store
-        self._queue: queue.Queue = queue.Queue()
-        self._gate = threading.Lock()  # a push queued after stop() is answered at once, never left in the queue
+        self._gate = threading.Lock()  # one push applied at a time, in arrival order; none after stop()
         self._stopped = False
         self.snapshots: list[Snapshot] = []
         self.last_answer = store.server.answer(0)  # the final weights, should a failing exchange consume the state
         self._pending: collections.deque = collections.deque()  # pipelined: dispatched, flags not read yet (<= 2)
         self._settling = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="store-applier")
-        self._thread.start()
+        self._idle_since = time.perf_counter()  # (the end of the last push applied: the store's wait for the next)
 
     def put(self, item: tuple) -> None:
-        """Queues ``(worker, payload, model_state, pulled_version, round_info, packed, inner, future)`` (``inner``: the
-        inner-optimizer states to keep once it is applied, by worker, or ``None``); after :meth:`stop`
-        (a push that passed the store's closed check just before it closed) it is rejected as late at once.
-
-        Pipelined, the pushing thread applies its push itself, under the gate (which orders the pushes as a queue
-        would: the order they take it is their arrival order): dispatching an exchange is too short a job to hand
-        to another thread and back.
-        """
+        """Applies ``(worker, payload, model_state, pulled_version, round_info, packed, inner, future)`` (``inner``: the
+        inner-optimizer states to keep once it is applied, by worker, or ``None``) on the pushing thread, under the
+        gate, which orders the pushes as a queue would (the order they take it is their arrival order): applying one
+        is too short a job to hand to another thread and back (a queue and an applier thread cost the ``cnn``'s store
+        ~30% of a push, benchmarks/store_push.py). After :meth:`stop` (a push that passed the store's closed check
+        just before it closed) it is rejected as late at once."""
         with self._gate:
             if not self._stopped:
-                if self.store.pipelined:
-                    self._one(item, time.perf_counter())
-                else:
-                    self._queue.put(item)
+                self._one(item, self._idle_since)
                 return
         store = self.store
         with store.lock:
             store.ledger.late_push()
         item[-1].set_exception(StoreClosed(store.closed_reason()))
 
-    def stop(self, timeout: float = 60) -> None:
-        """Lets the applier finish the queue (the store is closed: those pushes are rejected as late) and end."""
+    def stop(self) -> None:
+        """Takes no more pushes (the store is closed: any from now on are rejected as late) and settles the pipeline."""
         with self._gate:
             self._stopped = True
-            self._queue.put(None)
-        self._thread.join(timeout=timeout)
-
-    def _loop(self) -> None:
-        store = self.store
-        while not store.error:
-            t0 = time.perf_counter()
-            if (item := self._queue.get()) is None:
-                try:
-                    self.settle()
-                except BaseException as e:
-                    self._died(e, None)
-                break
-            self._one(item, t0)
-        # Anything still queued after close is rejected, so pushes sent == applied + rejected; anything put from now
-        # on is rejected by put() itself (the applier may have died: nothing would take it from the queue).
-        with self._gate:
-            self._stopped = True
-        while True:
             try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                with store.lock:
-                    store.ledger.late_push()
-                item[-1].set_exception(StoreClosed(store.closed_reason()))
+                self.settle()
+            except BaseException as e:
+                self._died(e, None)
 
     def _one(self, item: tuple, since: float) -> None:
         """Applies one push (waited for since ``since``) and books its time; an exception stops the run."""
@@ -114,7 +83,8 @@ class Applier:
         except BaseException as e:
             self._died(e, item)
             return
-        bookkeeping = time.perf_counter() - t1 - exchange_seconds
+        self._idle_since = time.perf_counter()
+        bookkeeping = self._idle_since - t1 - exchange_seconds
         self.store.add_times(StoreTimes(pushes=1, exchange=exchange_seconds, bookkeeping=bookkeeping, idle=t1 - since))
 
     def _died(self, error: BaseException, item: tuple | None) -> None:

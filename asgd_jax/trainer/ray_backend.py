@@ -57,9 +57,10 @@ STORE_PATIENCE = 120.0  # seconds a worker waits for a restarting store
 
 
 class StoreActor:
-    """The run's store in an actor (threaded: pushes queue in the store while earlier ones are applied), serving its
-    :class:`~asgd_jax.trainer.endpoint.Endpoint` to the workers and the driver. It always resumes from its checkpoint
-    when there is one: Ray restarts it there (the driver refused a stale one before starting it)."""
+    """The run's store in an actor (threaded: a push moves its payload to the store's device while earlier ones are
+    applied), serving its :class:`~asgd_jax.trainer.endpoint.Endpoint` to the workers and the driver. It always
+    resumes from its checkpoint when there is one: Ray restarts it there (the driver refused a stale one before
+    starting it)."""
 
     def __init__(self, rule, params, config: TrainConfig, header: dict[str, Any], model_state, evaluates: bool):
         config = config.replace(store_device=config.store_device.partition(":")[0])  # the one device Ray gave it

@@ -1,7 +1,7 @@
 """The store's rounds: SSGD's (every worker's payload, their mean applied once) and the gathered rounds of Rennala and
 m-Synchronous SGD (``size`` payloads computed at the current weights make one update).
 
-A round's mean is applied as one push of worker 0 through the store's own queue (the same server step, trace line and
+A round's mean is applied as one push of worker 0 through the store's own gate (the same server step, trace line and
 checkpoint as an asynchronous push), under the rounds' lock: a worker that re-syncs and comes back while the mean is
 being applied finds either the old round or the next one, never both. Every worker of a round waits on the same
 condition for its end; a store that stops (:meth:`Rounds.abort_now`) wakes them all without waiting for that lock.

@@ -1,12 +1,11 @@
 """The host-side parameter store: the simulator's server step, applied to pushes from real worker threads.
 
 Workers ``pull`` the weights once and then ``push`` payloads; the pushes are applied one at a time, in arrival order (by
-the applier's thread, or, pipelined, by each pushing thread in turn under the applier's gate: see
-:mod:`asgd_jax.trainer.applier`), with the same pure :func:`asgd_jax.server.push` the simulator scans, and right after
-applying a push records that worker's pull (:func:`asgd_jax.server.pull`) and hands it the fresh weights. That
-push-then-pull is atomic, which is exactly the simulator's semantics, so the recorded trace (``trace.jsonl``: one line
-per applied push) replays in the simulator as ``asgd_jax.delays.Trace.load(path)`` (the format is
-:mod:`asgd_jax.trace`'s).
+each pushing thread in turn under the applier's gate: see :mod:`asgd_jax.trainer.applier`), with the same pure
+:func:`asgd_jax.server.push` the simulator scans, and right after applying a push records that worker's pull
+(:func:`asgd_jax.server.pull`) and hands it the fresh weights. That push-then-pull is atomic, which is exactly the
+simulator's semantics, so the recorded trace (``trace.jsonl``: one line per applied push) replays in the simulator as
+``asgd_jax.delays.Trace.load(path)`` (the format is :mod:`asgd_jax.trace`'s).
 
 Bad pushes never touch the model: a wrong tree structure, shape or dtype is rejected at ``push`` with a clear error;
 a payload with NaN/Inf is rejected (counted) or, with ``on_nonfinite="stop"``, closes the store with a clear message.
@@ -162,12 +161,12 @@ class ParameterStore:
     def push(
         self, worker, payload, pulled_version, model_state=None, round_info=None, *, packed=False, inner=None
     ) -> Future:
-        """Queues a payload computed at the weights of ``pulled_version``: the model's pytree or its packed buffers
+        """Applies a payload computed at the weights of ``pulled_version``: the model's pytree or its packed buffers
         (:attr:`layout`; a worker's come :class:`~asgd_jax.trainer.messages.Checked`), moved to the store's device on
-        the pushing thread while the applier applies the pushes before it (pipelined, the pushing thread applies it
-        itself, in turn; a :class:`~asgd_jax.trainer.messages.Computed` one it computes too, its loss a fourth item of
-        the answer). ``round_info``: a gathered round's mean; ``inner``: the inner-optimizer states its workers
-        reached, by worker, kept for the checkpoints once it is applied (``Plan(inner=...)``).
+        the pushing thread while the pushes before it are applied, then applied by that thread in its turn (a
+        :class:`~asgd_jax.trainer.messages.Computed` one it computes too, its loss a fourth item of the answer).
+        ``round_info``: a gathered round's mean; ``inner``: the inner-optimizer states its workers reached, by worker,
+        kept for the checkpoints once it is applied (``Plan(inner=...)``).
 
         Returns:
           A future of ``(params, model_state, version)``: the weights right after this push, already this worker's
@@ -260,7 +259,7 @@ class ParameterStore:
     # -- the run's end and its files ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stops taking pushes, lets the applier finish the queue, writes the final checkpoint, closes the trace."""
+        """Stops taking pushes, settles the pushes in flight, writes the final checkpoint, closes the trace."""
         self.abort_rounds("the store was closed")
         self._closed.set()
         self.notify_version()
