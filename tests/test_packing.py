@@ -6,6 +6,9 @@ dtype."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,14 +104,22 @@ def test_a_packed_push_of_the_wrong_size_is_refused_at_once():
         store.close()
 
 
-def test_the_store_says_where_its_time_went():
-    store = ParameterStore(asgd_jax.asgd(0.1), {"w": np.zeros(3, np.float32)}, 1)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_store_says_where_its_time_went(pipelined):
+    # Idle is the store's time between one push's end and the next one's start (a pipelined store once booked ~0
+    # there): a worker that takes 50 ms between its pushes leaves the store idle at least that long.
+    started = time.perf_counter()
+    store = ParameterStore(asgd_jax.asgd(0.1), {"w": np.zeros(3, np.float32)}, 1, pipelined=pipelined)
     try:
         store.push(0, {"w": np.ones(3, np.float32)}, 0).result(timeout=30)
-        with pytest.raises(BadPush):
+        time.sleep(0.05)
+        with contextlib.suppress(BadPush):  # (pipelined: answered at once, rejected when its flags are read)
             store.push(0, {"w": np.full(3, np.nan, np.float32)}, 1).result(timeout=30)
-        times = store.status().times
+        store.state()
+        times, rejected = store.status().times, store.status().rejected
     finally:
         store.close()
-    assert times.pushes == 2  # both pushes reached the applier: one applied, one rejected there
-    assert times.exchange > 0 and times.bookkeeping >= 0 and times.idle >= 0 and times.transfer_in > 0
+    elapsed = time.perf_counter() - started
+    assert times.pushes == 2 and rejected == 1  # both pushes reached the applier: one applied, one rejected there
+    assert times.exchange > 0 and times.bookkeeping >= 0 and times.transfer_in > 0
+    assert times.idle >= 0.05 and times.idle + times.exchange + times.bookkeeping <= elapsed  # (disjoint spans)

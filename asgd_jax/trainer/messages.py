@@ -124,7 +124,8 @@ class StoreTimes(NamedTuple):
       exchange: its exchange programs, from dispatch to the answer on the host (the device's share).
       bookkeeping: the rest of a push on the applier: counts, the trace line, a checkpoint handed to its writer,
         snapshots, the answer handed back.
-      idle: the applier waiting for a push (the workers, not the store, set the pace).
+      idle: the store between the end of one push and the start of the next (the workers, not the store, set the
+        pace).
       transfer_in: the pushing threads moving payloads to the store's device (overlapping the applier's work).
     """
 
