@@ -42,3 +42,15 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` a module is one unit of work: its tests share a worker, so a program, a jitted
+    function or a module fixture is built once rather than in each worker. The longest unit, the Ray group (a process
+    per actor), goes first so that it never ends the run alone."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    groups = lambda item: {m.args[0] if m.args else m.kwargs.get("name") for m in item.iter_markers("xdist_group")}
+    items.sort(key=lambda item: "ray" not in groups(item))
