@@ -271,15 +271,16 @@ def worker_function(
     loss: Loss,
     ex: Exchange,
     num_workers: int,
-    local_lr: float | None,
     layouts: tuple[Any, Any],
     *,
     loop: str = "scan",
     dylu: bool = False,
     unroll: int = 1,
 ) -> Callable:
-    """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, version, worker) ->
-    (payload, model_state, loss, aux, finite)``: :func:`work` with the simulator's keys, so a recorded run replays.
+    """A trainer worker's exchange period, jitted: ``(params, model_state, batches, model_key, local_lr, version,
+    worker) -> (payload, model_state, loss, aux, finite)``: :func:`work` with the simulator's keys, so a recorded run
+    replays. ``local_lr`` is a number like the others, an argument (float32; 0 without local steps): runs at other
+    local learning rates share the program.
 
     The weights come in and the payload and model state go out packed (``layouts``: the weights' and the model
     state's :class:`asgd_jax.packing.Layout`): one buffer per dtype to move, unpacked and packed inside the program.
@@ -300,7 +301,6 @@ def worker_function(
         return g, m, value, aux, packing.finite((*g, *m))
 
     grad_fn = jax.value_and_grad(loss.normalized(), has_aux=True)
-    lr = np.float32(0.0 if local_lr is None else local_lr)  # a compile-time constant
 
     def model_key(k, v, w):  # the update's model key is made on the device from explicit inputs
         # SSGD splits the update's key over the workers; an asynchronous worker folds in the version it pulled, then
@@ -308,7 +308,7 @@ def worker_function(
         k = jax.random.fold_in(k, v)
         return jax.random.split(k, num_workers)[w] if ex.mode == "sync" else jax.random.fold_in(k, w)
 
-    def run(p, ms, b, k, v, w, *own):  # own: the worker's inner-optimizer state (first), its DyLU steps (last)
+    def run(p, ms, b, k, lr, v, w, *own):  # own: the worker's inner-optimizer state (first), its DyLU steps (last)
         inner = own[:1] if ex.keeps_inner_state else ()
         steps = own[-1] if dylu else None
         params, model_state, key = layout.unpack(p), state_layout.unpack(ms), model_key(k, v, w)
@@ -324,7 +324,7 @@ def worker_function(
         params0 = layout.unpack(p)
         return params0, _first_carry(params0, state_layout.unpack(ms)), model_key(k, v, w)
 
-    def one_step(params0, key, carry, batches, i):
+    def one_step(params0, key, lr, carry, batches, i):
         batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
         return _local_step(grad_fn, ex, params0, key, lr, carry, (batch, i))
 
@@ -337,14 +337,14 @@ def worker_function(
 
     indices: dict[Any, list[jax.Array]] = {}  # the minibatch numbers, placed once per device group
 
-    def run_steps(p, ms, b, k, v, w):
+    def run_steps(p, ms, b, k, lr, v, w):
         params0, carry, key = start(p, ms, k, v, w)
         sharding = v.sharding
         if sharding not in indices:
             indices[sharding] = [jax.device_put(np.int32(i), sharding) for i in range(ex.n_sync)]
         losses, auxes = [], []
         for i in indices[sharding]:
-            carry, (value, aux) = step(params0, key, carry, b, i)
+            carry, (value, aux) = step(params0, key, lr, carry, b, i)
             losses.append(value)
             auxes.append(aux)
         return end(params0, carry, losses, auxes)

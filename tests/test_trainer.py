@@ -95,12 +95,13 @@ def test_every_way_of_compiling_a_period_computes_the_same(push, inner, dylu):
     rng = np.random.default_rng(0)
     batches = {k: rng.normal(size=(n_sync, 4, *v.shape[1:])).astype(np.float32) for k, v in DATA.items()}
     put = lambda x: jax.device_put(x, jax.devices("cpu")[0])
-    args = (layouts[0].pack(put(W0 + 0.1)), layouts[1].pack(None), batches, jax.random.key(3), put(np.int32(4)))
+    lr = put(np.float32(local_lr or 0.0))
+    args = (layouts[0].pack(put(W0 + 0.1)), layouts[1].pack(None), batches, jax.random.key(3), lr, put(np.int32(4)))
     own = (put(exchange.inner_optimizer(inner, 0.0).init(W0)), put(np.int32(3))) if dylu else ()
     ways = [("scan", 1), ("scan", n_sync)] + ([] if dylu else [("steps", 1)])
     outputs = {
         (loop, unroll): jax.device_get(
-            exchange.worker_function(loss, ex, 2, local_lr, layouts, loop=loop, dylu=dylu, unroll=unroll)(
+            exchange.worker_function(loss, ex, 2, layouts, loop=loop, dylu=dylu, unroll=unroll)(
                 *args, put(np.int32(1)), *own
             )
         )
@@ -115,6 +116,26 @@ def test_every_way_of_compiling_a_period_computes_the_same(push, inner, dylu):
                 np.testing.assert_array_equal(a, b, err_msg=str(way))
     assert exchange.period_loop("cpu", n_sync) == ("scan", n_sync)
     assert exchange.period_loop("cpu", exchange.CPU_UNROLL + 1) == ("steps", 1)
+
+
+@pytest.mark.parametrize("loop", ["scan", "steps"])
+def test_a_workers_local_learning_rate_is_an_argument_of_its_program(loop):
+    # Numbers are arguments: the period at another local learning rate is the same program, compiled once (it was a
+    # constant in the program: every --local-lr of a sweep compiled its own), and computes with the rate it is given.
+    plan = Plan(2, num_updates=1, batch_size=4, n_sync=3, push="delta", local_lr=0.05)
+    ex = exchange.Exchange.create(plan, DATA)
+    layouts = packing.layouts(W0, None)
+    put = lambda x: jax.device_put(x, jax.devices("cpu")[0])
+    batches = {k: np.stack([v[:4]] * 3) for k, v in DATA.items()}
+    period = exchange.worker_function(as_loss(lsq_loss, has_model_state=False), ex, 2, layouts, loop=loop, unroll=1)
+    args = lambda lr: (layouts[0].pack(put(W0)), (), batches, jax.random.key(3), put(np.float32(lr)), put(np.int32(0)))
+    with compilations() as counts:
+        first = jax.device_get(period(*args(0.05), put(np.int32(1))))
+        compiled = sum(counts.values())
+        second = jax.device_get(period(*args(0.1), put(np.int32(1))))
+    assert sum(counts.values()) == compiled  # (the first call may find its programs in the persistent cache)
+    # The first local step is at w_0 either way: its share of the delta scales with the rate; the payload differs.
+    assert not np.array_equal(first[0][0], second[0][0]) and np.isfinite(second[0][0]).all()
 
 
 def test_a_worker_on_the_stores_device_is_computed_by_the_store_and_trains_the_same(tmp_path, no_implicit_transfers):

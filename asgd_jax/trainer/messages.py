@@ -81,11 +81,13 @@ class Computed(NamedTuple):
       work: the worker's period, :func:`asgd_jax.exchange.worker_function`'s (one program: ``n_sync`` 1, or a scan).
       batches: its ``n_sync`` minibatches, stacked (host arrays: they cross to the device in the program's call).
       model_key: the run's model key, on the store's device.
+      local_lr: the local steps' learning rate (float32), on the store's device.
     """
 
     work: Any
     batches: Any
     model_key: Any
+    local_lr: Any
 
 
 class Ignored(NamedTuple):

@@ -318,7 +318,9 @@ class StoreState:
         if program is None:
             program = self._computed[push.work] = self._compile_computed(push.work)
         with jax.transfer_guard_host_to_device("allow"):  # the minibatches: the one transfer, in the call
-            out = program(self.stored if state is None else state, self._ids[worker], push.batches, push.model_key)
+            out = program(
+                self.stored if state is None else state, self._ids[worker], push.batches, push.model_key, push.local_lr
+            )
         if state is None:
             self.stored = out[0]
         return Dispatched(*out[1:4]), out[4]
@@ -326,10 +328,10 @@ class StoreState:
     def _compile_computed(self, work: Callable) -> Callable:
         sl, exchange_packed = self.stored_layout, self._exchange_packed
 
-        def computed(st: Stored, w, batches, model_key):
+        def computed(st: Stored, w, batches, model_key, local_lr):
             params, model_state = sl.row(st, w)  # where the worker computes: its backup
             payload, model_state, loss, _, finite = work(
-                params, model_state, batches, model_key, server.snapshot_version(st, w), w
+                params, model_state, batches, model_key, local_lr, server.snapshot_version(st, w), w
             )
             return (*exchange_packed(st, w, payload, model_state, finite), loss)
 

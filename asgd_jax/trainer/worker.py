@@ -177,12 +177,14 @@ class WorkInputs(NamedTuple):
     model_state: Any
     batches: Any
     model_key: jax.Array
+    local_lr: jax.Array
     version: jax.Array
     worker: jax.Array
 
 
 class DeviceGroup:
-    """A worker's devices: the shardings of its mesh, and the run's model key placed on them once.
+    """A worker's devices: the shardings of its mesh, and the run's model key and local learning rate placed on them
+    once.
 
     A group of one device places everything on that device (a single-device sharding, the one a store on the same
     device answers with): weights that already lie there are not moved at all, and the minibatches cross to it in
@@ -190,7 +192,7 @@ class DeviceGroup:
     on a 2-core host). A larger group splits each minibatch over its devices with an explicit ``device_put``.
     """
 
-    def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array):
+    def __init__(self, devices: Sequence[jax.Device], model_key: jax.Array, local_lr: float | None = None):
         self.single = len(devices) == 1
         self.replicated: jax.sharding.Sharding
         self.batch_sharded: jax.sharding.Sharding
@@ -200,6 +202,7 @@ class DeviceGroup:
             mesh = Mesh(np.array(devices), ("batch",))
             self.replicated, self.batch_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "batch"))
         self.model_key = jax.device_put(model_key, self.replicated)
+        self.local_lr = jax.device_put(np.float32(0.0 if local_lr is None else local_lr), self.replicated)
         self._ids: dict[int, jax.Array] = {}
 
     def place(self, worker: int, params, model_state, batches, version: SupportsInt) -> WorkInputs:
@@ -216,7 +219,7 @@ class DeviceGroup:
                 lambda x: x if self._here(x) else next(placed), (params, model_state, v)
             )
         batches = batches if self.single else jax.device_put(batches, self.batch_sharded)
-        return WorkInputs(params, model_state, batches, self.model_key, v, self._ids[worker])
+        return WorkInputs(params, model_state, batches, self.model_key, self.local_lr, v, self._ids[worker])
 
     def feeding(self) -> contextlib.AbstractContextManager:
         """Where the program is called: a one-device group's host minibatches cross to its device in that call, the
@@ -279,10 +282,10 @@ class Worker:
         way = f"{loop} {unroll}"
         if way not in shared:
             shared[way] = exchange.worker_function(
-                loss, ex, setup.num_workers, setup.local_lr, setup.layouts, loop=loop, dylu=dylu, unroll=unroll
+                loss, ex, setup.num_workers, setup.layouts, loop=loop, dylu=dylu, unroll=unroll
             )
         self.work = shared[way]
-        self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2])
+        self.group = DeviceGroup(devices, exchange.split_key(setup.key)[2], setup.local_lr)
         one_program = loop == "scan" or ex.n_sync == 1
         self.computed = setup.computed and one_program and setup.slowdown <= 1.0 and setup.stop_stale is None
         self.computed = self.computed and not ex.keeps_inner_state and not dylu  # (a period of the worker's own)
@@ -355,7 +358,7 @@ class Worker:
         return stack_batches(taken + taken[-1:] * (self.setup.exchange.n_sync - len(taken)))
 
     def _computed(self, batches: Any) -> Computed:
-        return Computed(self.work, batches, self.group.model_key)
+        return Computed(self.work, batches, self.group.model_key, self.group.local_lr)
 
     def run(self, stop: threading.Event | None = None) -> WorkerStats:
         """Pushes until the store closes (or ``stop`` is set); returns where the worker's time went.
