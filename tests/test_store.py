@@ -382,3 +382,24 @@ def test_an_exchange_that_fails_on_the_device_ends_the_store_with_the_last_weigh
     assert (status.received, status.applied, status.rejected) == (2, 1, 1)
     np.testing.assert_array_equal(store.final_weights()[0]["w"], np.asarray(answered[0][0]))
     np.testing.assert_array_equal(store.final_weights()[0]["w"], _G(-0.05))
+
+
+@pytest.mark.parametrize("rule_name", ["asgd", "dc_asgd_a", "dana"])
+def test_a_stores_programs_take_the_rules_numbers_as_arguments(rule_name):
+    # Numbers are arguments: stores of one rule at two learning rates lower the same exchange (their numbers once
+    # were constants of it: every --lr compiled its own), and each applies its own rate.
+    extra = {"num_workers": 2} if rule_name == "dana" else {}
+    w0, g = {"w": np.zeros(6, np.float32)}, {"w": np.linspace(-1, 1, 6, dtype=np.float32)}
+    texts, weights = [], []
+    for lr in (0.1, 0.2):
+        store = ParameterStore(asgd_jax.rules.get(rule_name, lr, **extra), w0, 2)
+        try:
+            texts.append(store.lower_exchange(0, g).as_text())
+            store.push(0, g, 0).result(timeout=30)
+            weights.append(np.asarray(store.final_weights()[0]["w"]))
+        finally:
+            store.close()
+    assert texts[0] == texts[1]
+    if rule_name == "asgd":  # (one SGD step from zero: -lr * g)
+        np.testing.assert_allclose(weights, [-0.1 * g["w"], -0.2 * g["w"]], rtol=1e-6)
+    assert not np.array_equal(weights[0], weights[1])

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import packing, server
+from asgd_jax import packing, recipes, server
 from asgd_jax.trainer.messages import BadPush, Checked, Computed
 
 __all__ = ["Dispatched", "Exchanged", "StateLayout", "Stored", "StoreState", "host", "host_copy"]
@@ -162,10 +162,15 @@ class StoreState:
         self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         self.sends = server.has_pull(rule)  # a pull-side rule answers with a look-ahead, not the server's weights
         self.stored_layout = StateLayout(state, num_workers, self.layout, self.model_state_layout)
-        self._compile(rule)
+        # The rule's numbers (learning rate, lambda, ...), placed once: arguments of every program that applies the
+        # rule, which is rebuilt inside it from its recipe (asgd_jax.recipes), as the simulator does: runs at other
+        # numbers share the programs. A rule composed by hand (no recipe) is taken as it is.
+        built = recipes.of(rule)
+        self.numbers = jax.device_put({} if built is None else built.numbers, device)
+        self._compile((lambda n: rule) if built is None else (lambda n: recipes.Recipe(built.structure, n).build()))
         self.stored: Stored = self._of(jax.device_put(state, device))
 
-    def _compile(self, rule: optax.GradientTransformation) -> None:
+    def _compile(self, rule_at: Callable[[Any], optax.GradientTransformation]) -> None:
         """The very same server step the simulator scans, jitted for the store's device, on packed pushes.
 
         One program per push: the payload's leaves are slices of its packed buffers, the finite check is an output
@@ -178,7 +183,8 @@ class StoreState:
         """
         layout, ms_layout, stateful, sl = self.layout, self.model_state_layout, self.stateful, self.stored_layout
 
-        def exchange_packed(st: Stored, w, g, ms, ok=None):
+        def exchange_packed(st: Stored, numbers, w, g, ms, ok=None):
+            rule = rule_at(numbers)
             # ``ok``: the payload's own check, computed where it was made (a worker's program: Checked); else here.
             ok = packing.finite((*g, *ms)) if ok is None else ok
             grads, model_state = layout.unpack(g), ms_layout.unpack(ms) if stateful else None
@@ -210,9 +216,9 @@ class StoreState:
             flags = jnp.stack([staleness, ok.astype(jnp.int32), packing.finite(sent[0]).astype(jnp.int32)])
             return st, flags, sent, version  # (the flags in one buffer: one transfer)
 
-        def answer(st: Stored, w):  # what a pull by w would send (nothing recorded)
+        def answer(st: Stored, numbers, w):  # what a pull by w would send (nothing recorded)
             s = sl.load(st)
-            return layout.pack(server.sent(rule, s.params, s.opt_state, w)), ms_layout.pack(s.model_state)
+            return layout.pack(server.sent(rule_at(numbers), s.params, s.opt_state, w)), ms_layout.pack(s.model_state)
 
         def backup(st: Stored, w):
             return (*sl.row(st, w), server.snapshot_version(st, w))
@@ -228,7 +234,7 @@ class StoreState:
         self._exchange_packed = exchange_packed  # (what a computed push's program ends with)
         self._computed: dict[Any, Callable] = {}  # a computed push's program, per worker period
         self._exchange = jax.jit(exchange_packed, donate_argnums=0)
-        self._pull = jax.jit(lambda st, w: sl.pull(rule, sl.load(st), st, w), donate_argnums=0)
+        self._pull = jax.jit(lambda st, n, w: sl.pull(rule_at(n), sl.load(st), st, w), donate_argnums=0)
         self._answer = jax.jit(answer)
         self._packed_backup = jax.jit(backup)
         self._backup = jax.jit(unpacked_backup)
@@ -306,7 +312,7 @@ class StoreState:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
         flags later; the answer goes to the worker as it is)."""
         self.stored, flags, sent, version = self._exchange(
-            self.stored, self._ids[worker], *_flagged(payload, model_state)
+            self.stored, self.numbers, self._ids[worker], *_flagged(payload, model_state)
         )
         return Dispatched(flags, sent, version)
 
@@ -318,9 +324,8 @@ class StoreState:
         if program is None:
             program = self._computed[push.work] = self._compile_computed(push.work)
         with jax.transfer_guard_host_to_device("allow"):  # the minibatches: the one transfer, in the call
-            out = program(
-                self.stored if state is None else state, self._ids[worker], push.batches, push.model_key, push.local_lr
-            )
+            st = self.stored if state is None else state
+            out = program(st, self.numbers, self._ids[worker], push.batches, push.model_key, push.local_lr)
         if state is None:
             self.stored = out[0]
         return Dispatched(*out[1:4]), out[4]
@@ -328,12 +333,12 @@ class StoreState:
     def _compile_computed(self, work: Callable) -> Callable:
         sl, exchange_packed = self.stored_layout, self._exchange_packed
 
-        def computed(st: Stored, w, batches, model_key, local_lr):
+        def computed(st: Stored, numbers, w, batches, model_key, local_lr):
             params, model_state = sl.row(st, w)  # where the worker computes: its backup
             payload, model_state, loss, _, finite = work(
                 params, model_state, batches, model_key, local_lr, server.snapshot_version(st, w), w
             )
-            return (*exchange_packed(st, w, payload, model_state, finite), loss)
+            return (*exchange_packed(st, numbers, w, payload, model_state, finite), loss)
 
         return jax.jit(computed, donate_argnums=0)
 
@@ -352,12 +357,12 @@ class StoreState:
 
     def pull(self, worker: int) -> tuple:
         """Records ``worker``'s pull; the packed weights it computes at."""
-        self.stored = self._pull(self.stored, self._ids[worker])
+        self.stored = self._pull(self.stored, self.numbers, self._ids[worker])
         return host(self._packed_backup(self.stored, self._ids[worker])[:2])
 
     def answer(self, worker: int) -> tuple:
         """What a pull by ``worker`` would send, packed on the host (nothing recorded)."""
-        return host(self._answer(self.stored, self._ids[worker]))
+        return host(self._answer(self.stored, self.numbers, self._ids[worker]))
 
     def backup(self, worker: int) -> tuple[Any, Any, int]:
         """``worker``'s backup as pytrees (device arrays) and its version."""
@@ -385,7 +390,7 @@ class StoreState:
         with their check (a run's workers'), else the one that checks them."""
         g, ms = self.put(self.zeros)
         ok = jax.device_put(np.bool_(True), self.device) if checked else None
-        jax.block_until_ready(self._exchange(self._scratch(), self._ids[0], g, ms, ok))
+        jax.block_until_ready(self._exchange(self._scratch(), self.numbers, self._ids[0], g, ms, ok))
         jax.block_until_ready(self._packed_backup(self.stored, self._ids[0]))
         jax.block_until_ready(self._weights(self.stored))
         jax.block_until_ready(self._full(self.stored))  # (what a checkpoint reads: not compiled mid-run)
@@ -393,7 +398,8 @@ class StoreState:
     def lower(self, worker: int, payload: tuple | Checked, model_state: tuple) -> jax.stages.Lowered:
         """The exchange for a packed payload (or a :class:`~asgd_jax.trainer.messages.Checked` one: the program that
         takes its flag), lowered (``.compile().as_text()`` is its optimised HLO)."""
-        return self._exchange.lower(self.stored, self._ids[worker], *self.put(_flagged(payload, model_state)))
+        arguments = self.put(_flagged(payload, model_state))
+        return self._exchange.lower(self.stored, self.numbers, self._ids[worker], *arguments)
 
     def lost(self) -> bool:
         """Whether a failing exchange consumed the donated state: its buffers deleted (the exchange failed at its

@@ -143,7 +143,7 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
             state = [jax.device_put(jax.device_get(store.server.stored), store.device)]  # a copy, in the stored form
 
             def one_exchange() -> None:
-                out = compiled(state[0], worker, g, (), ok)
+                out = compiled(state[0], store.server.numbers, worker, g, (), ok)
                 state[0] = out[0]
                 jax.block_until_ready(out)
 

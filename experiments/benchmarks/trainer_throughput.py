@@ -126,7 +126,7 @@ def store_push(params, state, pushes: int, store_device: str = "cpu") -> tuple[f
         alone = []
         for _ in range(pushes):
             t0 = time.perf_counter()
-            out = compiled(live, *args)
+            out = compiled(live, store.server.numbers, *args)
             jax.block_until_ready(out)
             live = out[0]
             alone.append(time.perf_counter() - t0)
