@@ -403,3 +403,24 @@ def test_a_stores_programs_take_the_rules_numbers_as_arguments(rule_name):
     if rule_name == "asgd":  # (one SGD step from zero: -lr * g)
         np.testing.assert_allclose(weights, [-0.1 * g["w"], -0.2 * g["w"]], rtol=1e-6)
     assert not np.array_equal(weights[0], weights[1])
+
+
+def test_a_push_that_fails_after_its_exchange_ran_is_in_the_books_once(monkeypatch):
+    # Pipelined, a push is dispatched and booked later; its answer to a caller of pytrees can still fail on the host
+    # (injected here). It was counted twice, applied when settled and rejected as the failing push: received 1,
+    # applied 1, rejected 1. The store stops, the caller is told, and the books add up.
+    from asgd_jax.trainer.applier import Applier
+
+    def fail(self, dispatched):
+        raise RuntimeError("injected fault answering on the host")
+
+    monkeypatch.setattr(Applier, "_unpacked", fail)
+    store = ParameterStore(asgd_jax.asgd(0.1), {"w": _G(0.0)}, 2, pipelined=True)
+    try:
+        with pytest.raises(StoreClosed, match="injected fault answering on the host"):
+            store.push(0, jax.device_put({"w": _G(1.0)}, store.device), 0).result(timeout=30)
+    finally:
+        store.close()
+    status = store.status()
+    assert (status.received, status.applied, status.rejected) == (1, 1, 0)
+    np.testing.assert_array_equal(store.final_weights()[0]["w"], _G(-0.1))  # (the exchange ran: its update stands)

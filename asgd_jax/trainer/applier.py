@@ -48,7 +48,7 @@ class Applier:
         self.last_answer = store.server.answer(0)  # the final weights, should a failing exchange consume the state
         self._pending: collections.deque = collections.deque()  # pipelined: dispatched, flags not read yet (<= 2)
         self._settling = threading.Lock()
-        self._idle_since = time.perf_counter()  # (the end of the last push applied: the store's wait for the next)
+        self._idle_since: float | None = None  # the end of the last push: the store's wait for the next (not the first)
 
     def put(self, item: tuple) -> None:
         """Applies ``(worker, payload, model_state, pulled_version, round_info, packed, inner, future)`` (``inner``: the
@@ -75,29 +75,37 @@ class Applier:
             except BaseException as e:
                 self._died(e, None)
 
-    def _one(self, item: tuple, since: float) -> None:
-        """Applies one push (waited for since ``since``) and books its time; an exception stops the run."""
+    def _one(self, item: tuple, since: float | None) -> None:
+        """Applies one push (the store idle since ``since``) and books its time; an exception stops the run (and an
+        interrupt, having stopped it, goes on up)."""
         t1 = time.perf_counter()
         try:
             exchange_seconds = self._apply(*item)
         except BaseException as e:
             self._died(e, item)
+            if not isinstance(e, Exception):
+                raise
             return
         self._idle_since = time.perf_counter()
-        bookkeeping = self._idle_since - t1 - exchange_seconds
-        self.store.add_times(StoreTimes(pushes=1, exchange=exchange_seconds, bookkeeping=bookkeeping, idle=t1 - since))
+        bookkeeping, idle = self._idle_since - t1 - exchange_seconds, 0.0 if since is None else t1 - since
+        self.store.add_times(StoreTimes(pushes=1, exchange=exchange_seconds, bookkeeping=bookkeeping, idle=idle))
 
     def _died(self, error: BaseException, item: tuple | None) -> None:
-        """A failing apply stops the run at once, with its error; the push it died on is answered too."""
+        """A failing apply stops the run at once, with its error; every push is in the books once (applied or
+        rejected) and every one still unanswered is answered."""
         store = self.store
+        dispatched = {id(entry[-1]) for entry in self._pending}  # (pipelined: in the books once settled)
         with contextlib.suppress(Exception):  # the pushes dispatched before the failing one ran: into the books
-            self.settle()
-        self._pending.clear()  # (what is left could not be read: the failing push, counted as rejected)
+            self.settle()  # (the failing one, if it is among them, counted as rejected there)
+        left = [entry[-1] for entry in self._pending]  # dispatched after it: their state is gone, so are they
+        self._pending.clear()
         store.fail(RuntimeError(f"the store's applier failed: {type(error).__name__}: {error}"))
-        if item is not None and not item[-1].done():
-            with store.lock:
-                store.ledger.rejected += 1
-            item[-1].set_exception(StoreClosed(store.closed_reason()))
+        unbooked = item is not None and id(item[-1]) not in dispatched and not item[-1].done()
+        with store.lock:
+            store.ledger.rejected += len(left) + unbooked
+        for future in [*left, *([] if item is None else [item[-1]])]:
+            if not future.done():
+                future.set_exception(StoreClosed(store.closed_reason()))
 
     def _apply(self, worker, payload, model_state, pulled_version, round_info, packed, inner, future: Future) -> float:
         """One push: rejected (late, non-finite), ignored, or applied with the server step, traced, and answered; the
@@ -169,7 +177,7 @@ class Applier:
                 dispatched, loss = store.server.dispatch_computed(worker, payload)
             else:
                 dispatched, loss = store.server.dispatch(worker, payload, model_state), None
-            self._pending.append((worker, round_info, inner, dispatched))
+            self._pending.append((worker, round_info, inner, dispatched, future))
         answer = (*dispatched.answer, dispatched.version) if packed else self._unpacked(dispatched)
         future.set_result(answer if loss is None else (*answer, loss))
         return time.perf_counter() - t0
@@ -188,7 +196,7 @@ class Applier:
                 with self.store.lock:
                     if len(self._pending) <= keep:
                         return
-                    worker, round_info, inner, dispatched = self._pending.popleft()
+                    worker, round_info, inner, dispatched, _ = self._pending.popleft()
                     try:
                         out = self.store.server.settle(dispatched)
                     except BaseException:  # its exchange failed on the device: counted, and the run stops

@@ -79,7 +79,8 @@ class Endpoint:
     Args:
       store: the store.
       discipline: how the run exchanges (its config's :attr:`~asgd_jax.TrainConfig.discipline`).
-      timeout: the longest a push may wait for its answer (the run's timeout).
+      timeout: the longest a worker waits in a round for the others' pushes (the run's timeout); an asynchronous push
+        is applied on the pushing thread itself, its answer there when ``push`` returns.
     """
 
     def __init__(self, store: ParameterStore, discipline: Discipline, timeout: float | None = None):

@@ -174,10 +174,11 @@ class Rounds:
             self._cv.notify_all()
 
     def abort_now(self, why: str) -> None:
-        """Calls the rounds off without waiting for their lock: the store's applier stops the run while a worker
-        holds that lock waiting for the very push being applied (a round's mean that diverged, a trace write on a full
-        disk), and waiting there was a deadlock until the run's timeout. Its waiters are woken by whoever holds the
-        lock, or by a thread of their own."""
+        """Calls the rounds off without waiting for their lock: the store stops the run while a worker holds that lock
+        (a round's mean that diverged, a trace write on a full disk: usually the round's last worker, applying the
+        mean itself, which may take the lock again: it is re-entrant), and waiting there for another thread was a
+        deadlock until the run's timeout. Its waiters are woken by whoever holds the lock, or by a thread of their
+        own."""
         if self.aborted is None:
             self.aborted = why  # read under the lock by its waiters
         if self._cv.acquire(blocking=False):

@@ -5,8 +5,8 @@ store device), M = 4 workers, at four sizes: the `cnn` (13,706 parameters, 8 lea
 and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one global MeanSquare, the paper's).
 
 - store: ``ParameterStore.push(..., packed=True).result()`` from one thread, end to end (the payload's transfer to the
-  store's device, the queue, the exchange, the trace line, the answer back), median. The payload comes as a worker's
-  does, with its finite check made in the worker's program (``Checked``: its cost is the worker's, not the store's).
+  store's device, the applier's gate, the exchange, the trace line, the answer back), median. The payload comes as a
+  worker's does, with its finite check made in the worker's program (``Checked``: its cost is the worker's).
 - exchange: the store's own compiled exchange for such a payload (``StoreState.lower``), looped on its state, median;
   "checking exchange": the one for a payload that comes plain (a caller's, a round's mean), which checks it itself.
 - floor: the passes over parameter memory that the step needs, timed as NumPy copies of that many bytes (a copy is
