@@ -31,6 +31,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 import socket  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers.compiles import Census  # noqa: E402
+
+CENSUS = Census(os.environ.get("ASGD_JAX_COMPILE_CENSUS"))  # (experiments/benchmarks/compile_census.py)
+
+
+def pytest_runtest_setup(item):
+    CENSUS.start(item.nodeid)
+
+
+def pytest_sessionfinish(session):
+    CENSUS.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 
 @pytest.fixture

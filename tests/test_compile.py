@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 
 import jax
@@ -254,3 +255,25 @@ def test_a_model_initialised_with_no_key_says_what_to_give(key):
     model = asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1))
     with pytest.raises(asgd_jax.ConfigError, match=r"key=.* is invalid: give a PRNG key, e.g. jax.random.key\(0\)"):
         model.init(key)
+
+
+def test_the_compile_census_books_each_program_to_the_test_that_compiled_it(tmp_path):
+    # experiments/benchmarks/compile_census.py reads what each pytest process writes: per test, XLA's seconds and
+    # programs. (A program found in the persistent cache is not compiled: each program here holds a constant drawn
+    # afresh, so that no earlier run of the suite left it there.)
+    from helpers.compiles import Census
+
+    fresh = float(np.random.default_rng().uniform(1, 2))
+    census = Census(str(tmp_path / "census"))
+    try:
+        census.start("first")
+        jax.jit(lambda x: x * fresh + 1.0).lower(np.float32(1)).compile()
+        census.start("second")
+        for k in (2, 3):
+            jax.jit(lambda x, k=k: jnp.sin(x * fresh) ** k).lower(np.ones(k, np.float32)).compile()
+        census.write("gw9")
+    finally:
+        census.close()
+    counted = json.loads((tmp_path / "census.gw9.json").read_text())
+    assert {k: n for k, (_, n) in counted.items()} == {"first": 1, "second": 2}
+    assert all(s > 0 for s, _ in counted.values())

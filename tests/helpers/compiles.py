@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import json
 
 import jax
 
@@ -22,3 +23,33 @@ def compilations():
         yield counts
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+class Census:
+    """XLA's compile seconds and program count per test, for ``experiments/benchmarks/compile_census.py``: on when
+    ``$ASGD_JAX_COMPILE_CENSUS`` names a file prefix (each pytest process writes ``<prefix>.<worker>.json``), a
+    no-op otherwise. A test's setup (its fixtures) counts as the test's."""
+
+    def __init__(self, prefix: str | None):
+        self.prefix, self.current = prefix, "<collection>"
+        self.seconds: collections.Counter = collections.Counter()
+        self.programs: collections.Counter = collections.Counter()
+        if prefix:
+            jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **kwargs):
+        if event == COMPILE:
+            self.seconds[self.current] += duration
+            self.programs[self.current] += 1
+
+    def start(self, nodeid: str) -> None:
+        self.current = nodeid
+
+    def write(self, worker: str) -> None:
+        if self.prefix:
+            with open(f"{self.prefix}.{worker}.json", "w") as f:
+                json.dump({k: [self.seconds[k], self.programs[k]] for k in self.seconds}, f)
+
+    def close(self) -> None:
+        if self.prefix:
+            jax.monitoring.unregister_event_duration_listener(self._listen)
