@@ -424,3 +424,20 @@ def test_a_push_that_fails_after_its_exchange_ran_is_in_the_books_once(monkeypat
     status = store.status()
     assert (status.received, status.applied, status.rejected) == (1, 1, 0)
     np.testing.assert_array_equal(store.final_weights()[0]["w"], _G(-0.1))  # (the exchange ran: its update stands)
+
+
+def test_a_host_payload_crosses_in_the_exchanges_call_and_is_done_with_when_the_push_returns():
+    # The unpipelined store keeps a host payload on the host (no device_put: ~100 us a push) and lets it cross in the
+    # exchange's own call, under no implicit transfers elsewhere; the push returns once the exchange has read it, so a
+    # caller that reuses its buffer right away changes nothing applied.
+    store = ParameterStore(asgd_jax.asgd(0.5), {"w": _G(0.0)}, 2)
+    try:
+        payload = (_G(1.0),)
+        with jax.transfer_guard("disallow"):
+            store.push(0, payload, 0, packed=True).result(timeout=30)
+        payload[0][:] = 100.0  # (the caller's buffer, reused)
+        placed, _ = store.server.placed(0, payload, None, True, in_call=True)
+        assert isinstance(placed[0], np.ndarray)  # (kept on the host: it crosses in the call)
+    finally:
+        store.close()
+    np.testing.assert_array_equal(store.final_weights()[0]["w"], _G(-0.5))

@@ -188,7 +188,7 @@ class ParameterStore:
         if not computed:
             t0 = time.perf_counter()
             try:  # (on the store's device: the transfer overlaps the applies ahead)
-                payload, model_state = self.server.placed(worker, payload, model_state, packed)
+                payload, model_state = self.server.placed(worker, payload, model_state, packed, not self.pipelined)
             except BadPush:
                 with self.lock:
                     self.ledger.rejected += 1
