@@ -439,8 +439,9 @@ def _flagged(payload: tuple | Checked, *model_state: tuple) -> tuple:
 
 def host(packed: Any) -> Any:
     """Packed device buffers as host arrays: zero-copy views on a CPU (an answer is a fresh buffer of its own, never
-    donated), one transfer per buffer from an accelerator."""
-    return jax.tree.map(np.asarray, jax.device_get(packed))
+    donated), one transfer per buffer from an accelerator (all started at once)."""
+    on_cpu = all(d.platform == "cpu" for x in jax.tree.leaves(packed) for d in getattr(x, "devices", lambda: [])())
+    return jax.tree.map(np.asarray, packed if on_cpu else jax.device_get(packed))
 
 
 def host_copy(tree: Any) -> Any:
