@@ -322,7 +322,7 @@ def test_a_resumed_trainer_run_with_adamw_inner_steps_gets_each_workers_state_ba
     )
     run = lambda n, **kw: train(lsq_loss, rules.diloco(0.5), W0, DATA, config(n, **kw), devices=jax.devices()[:3])
     if mode == "async":  # no worker starts its second period before each has pushed once: all three in the first 9
-        _every_worker_pushes_first(monkeypatch, 3, period=3)
+        _in_lockstep(monkeypatch, 3, period=3, pushes=first)
     run(first)
     monkeypatch.undo()
     with np.load(tmp_path / "checkpoint.npz") as f:
@@ -454,28 +454,3 @@ def _in_lockstep(monkeypatch, workers: int, period: int, pushes: int) -> None:
     monkeypatch.setattr(ShardLoader, "__next__", gated_take)
     monkeypatch.setattr(Endpoint, "push", noted(Endpoint.push))
     monkeypatch.setattr(Endpoint, "push_computed", noted(Endpoint.push_computed))
-
-
-def _every_worker_pushes_first(monkeypatch, workers: int, period: int) -> None:
-    """In a threaded run, a worker takes the minibatches of its second period only once every worker has pushed."""
-    import threading
-
-    from asgd_jax.trainer.endpoint import Endpoint
-    from asgd_jax.trainer.loader import ShardLoader
-
-    take, push, pushed, everyone = ShardLoader.__next__, Endpoint.push, set(), threading.Event()
-
-    def gated_take(self):
-        if self.taken >= period:
-            everyone.wait(60)
-        return take(self)
-
-    def noted_push(self, worker, *args, **kwargs):
-        answer = push(self, worker, *args, **kwargs)
-        pushed.add(worker)
-        if len(pushed) == workers:
-            everyone.set()
-        return answer
-
-    monkeypatch.setattr(ShardLoader, "__next__", gated_take)
-    monkeypatch.setattr(Endpoint, "push", noted_push)

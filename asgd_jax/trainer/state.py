@@ -312,8 +312,7 @@ class StoreState:
         :class:`~asgd_jax.trainer.messages.Checked` payload brings its finite check (its worker's)."""
         dispatched = self.dispatch(worker, payload, model_state)
         flags, sent = host((dispatched.flags, dispatched.answer))  # one transfer call for the flags and the answer
-        staleness, ok, sound = np.asarray(flags).tolist()
-        return Exchanged(bool(ok), staleness, bool(sound), sent)
+        return self.settle(dispatched._replace(flags=flags, answer=sent))
 
     def dispatch(self, worker: int, payload: tuple | Checked, model_state: tuple) -> Dispatched:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the

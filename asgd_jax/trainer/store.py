@@ -187,7 +187,7 @@ class ParameterStore:
                 raise StoreClosed(self.closed_reason())
         if not computed:
             t0 = time.perf_counter()
-            try:  # (on the store's device: the transfer overlaps the applies ahead)
+            try:  # (checked here, while the pushes ahead are applied; moved to the store's device here, pipelined)
                 payload, model_state = self.server.placed(worker, payload, model_state, packed, not self.pipelined)
             except BadPush:
                 with self.lock:
