@@ -10,6 +10,9 @@ Where: ``$ASGD_JAX_CACHE_DIR`` if set (``off`` disables the cache), else a ``JAX
 JAX yourself, else ``$XDG_CACHE_HOME/asgd_jax/xla`` (``~/.cache/asgd_jax/xla``). Delete the folder to clear it; JAX
 keys each entry on the program, the JAX version and the device, so a stale entry is never used.
 
+Within a process, a :class:`Kept` holds the programs a wing builds, keyed on what shapes them (the trainer's store
+and worker programs: a second run at other numbers compiles nothing; the simulator keeps its own).
+
 Generated datasets (MNIST-1D takes ~3 s to generate on two cores, more than a quick study's arithmetic) are kept in
 :func:`data_folder`: ``$ASGD_JAX_CACHE_DIR/datasets`` if that is set (``off``: nothing kept), else
 ``$XDG_CACHE_HOME/asgd_jax/datasets``. Each file carries a checksum of its arrays and is regenerated when it does not
@@ -27,10 +30,14 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import os
-from collections.abc import Mapping
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
-__all__ = ["ENV", "data_folder", "enable", "folder"]
+__all__ = ["ENV", "Kept", "clear", "data_folder", "enable", "folder"]
 
 ENV = "ASGD_JAX_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "")
@@ -84,3 +91,59 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return where
+
+
+def clear() -> None:
+    """Forgets everything every :class:`Kept` holds (the trainer's programs: its next run of each structure compiles
+    again; the simulator's are :func:`asgd_jax.simulator.clear_cache`'s)."""
+    for kept in list(_EVERY):
+        kept.clear()
+
+
+class Kept:
+    """Up to ``size`` things (compiled programs, the functions that hold them) kept in this process, keyed on what
+    shapes them, the least recently used dropped first; thread-safe. A key that cannot be hashed (a closure among its
+    parts that is not) is built every time and not kept.
+
+    Example:
+      >>> kept = Kept(2)
+      >>> kept.get(("sgd", 3), lambda: object()) is kept.get(("sgd", 3), lambda: object())
+      True
+      >>> kept.get({"unhashable"}, lambda: 1), len(kept)
+      (1, 1)
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        _EVERY.add(self)
+
+    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+        """What is kept for ``key``, or ``build()`` kept for it (built outside the lock: a build may compile)."""
+        try:
+            hash(key)
+        except TypeError:
+            return build()
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                return self._kept[key]
+        made = build()
+        with self._lock:
+            made = self._kept.setdefault(key, made)  # (another thread's build of the same key, if it came first)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        return made
+
+    def clear(self) -> None:
+        """Forgets everything kept."""
+        with self._lock:
+            self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+_EVERY: weakref.WeakSet[Kept] = weakref.WeakSet()

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import errors, packing
+from asgd_jax import cache, errors, packing
 from asgd_jax.loss import Loss
 
 __all__ = [
@@ -293,7 +293,19 @@ def worker_function(
     inner optimizer's DyLU period (to float rounding); the replay tests hold for each. With an inner optimizer
     (:attr:`Exchange.keeps_inner_state`) the function is one program taking the worker's state of it last and giving
     the new state last. ``dylu``: it takes the worker's own number of steps (an int32 on its devices) last of all,
-    one program whatever the device (:func:`work`'s ``steps``)."""
+    one program whatever the device (:func:`work`'s ``steps``).
+
+    Kept per process for its arguments (a second run of the same loss and shapes compiles nothing)."""
+    key = (loss, ex, num_workers, layouts, loop, dylu, unroll)
+    return _WORKER_FUNCTIONS.get(key, lambda: _worker_function(*key))
+
+
+_WORKER_FUNCTIONS = cache.Kept(16)
+
+
+def _worker_function(
+    loss: Loss, ex: Exchange, num_workers: int, layouts: tuple[Any, Any], loop: str, dylu: bool, unroll: int
+) -> Callable:
     layout, state_layout = layouts
 
     def packed(payload, ms, value, aux):

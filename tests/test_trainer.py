@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.compiles import compilations
-from helpers.problems import DATA, W0, lsq_loss, simulate_clean, train_config
+from helpers.problems import DATA, W0, lsq_loss, replay_clean, simulate_clean, train_config
 
 import asgd_jax
 from asgd_jax import exchange, packing
@@ -162,12 +162,35 @@ def test_a_worker_on_the_stores_device_is_computed_by_the_store_and_trains_the_s
     assert (len(computed.workers[0].losses), len(handed.workers[0].losses)) == (30, 31)
 
 
+@pytest.mark.parametrize("n_sync", [1, 3])
+def test_a_second_run_at_other_numbers_compiles_nothing_and_replays(tmp_path, n_sync):
+    # Every program of a run is kept for its structure, its numbers (the rule's learning rate and lambda, the local
+    # learning rate) arguments: a second run at other numbers compiles nothing, not even a load from the persistent
+    # cache (a store compiled its 8 programs again for every run), and its trace replays to its weights bit for bit.
+    local = {"push": "delta", "local_lr": 0.03} if n_sync > 1 else {}
+
+    def run(lr: float, name: str):
+        config = train_config(2, num_updates=12, batch_size=4, n_sync=n_sync, seed=1, out=str(tmp_path / name), **local)
+        with compilations() as counts:
+            result = train(lsq_loss, asgd_jax.dc_asgd(lr, 2.0, adaptive=True), W0, DATA, config)
+        return result, sum(counts.values())
+
+    run(0.02, "first")
+    again, compiled = run(0.03, "again")
+    assert compiled == 0
+    replayed = replay_clean(tmp_path / "again", asgd_jax.dc_asgd(0.03, 2.0, adaptive=True), seed=1)
+    np.testing.assert_array_equal(replayed.params, again.params)
+    asgd_jax.trainer.clear_cache()
+    assert run(0.03, "fresh")[1] > 0  # (forgotten: compiled, or loaded from the persistent cache, again)
+
+
 @pytest.mark.parametrize("store_device", ["cpu", "cpu:1"])
 def test_workers_that_share_a_device_share_its_compilation(tmp_path, store_device):
     # Four workers on cpu:0: one exchange-period program for all of them, compiled before the run's clock (each
     # compiled its own on its first push, on the clock: 8 workers on one GPU ran at 0.15x a plain loop); with the
     # store there too, one program of their computed pushes.
     config = TrainConfig(Plan(4, num_updates=24, batch_size=4), seed=3, out=str(tmp_path), store_device=store_device)
+    asgd_jax.trainer.clear_cache()  # (an earlier test's run of the same structure left its programs)
     with compilations() as counts:
         result = train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config, devices=jax.devices()[:1])
     assert result.pushes_applied == 24 and {w.pushes > 0 for w in result.workers} == {True}

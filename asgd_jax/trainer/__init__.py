@@ -14,11 +14,21 @@ One wing, one module per part (ARCHITECTURE.md draws how they meet):
 * :mod:`~asgd_jax.trainer.worker` (the one worker loop) and its :mod:`~asgd_jax.trainer.loader`;
   :mod:`~asgd_jax.trainer.driver` (the one monitor loop); :mod:`~asgd_jax.trainer.session` (the run folder, metrics,
   evaluation, the result); the backends :mod:`~asgd_jax.trainer.threads` and :mod:`~asgd_jax.trainer.ray_backend`.
+
+Every program of a run is kept in the process for its structure (the rule's recipe, the loss, the shapes, M), the
+numbers (learning rates, lambda) its arguments: a second :func:`train` at other numbers compiles nothing;
+:func:`clear_cache` forgets them.
 """
 
+from asgd_jax import cache as _cache
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.messages import WorkerStats
 from asgd_jax.trainer.session import TrainResult
 from asgd_jax.trainer.training import PLAN, replay_plan, train
 
-__all__ = ["PLAN", "TrainConfig", "TrainResult", "WorkerStats", "replay_plan", "train"]
+__all__ = ["PLAN", "TrainConfig", "TrainResult", "WorkerStats", "clear_cache", "replay_plan", "train"]
+
+
+def clear_cache() -> None:
+    """Forgets the trainer's programs kept in this process (its next run of each structure compiles again)."""
+    _cache.clear()

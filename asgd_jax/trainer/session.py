@@ -21,7 +21,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from asgd_jax import checkpoint, errors, trace
+from asgd_jax import cache, checkpoint, errors, trace
 from asgd_jax.trainer.messages import Snapshot, StoreStatus, WorkerStats
 
 __all__ = [
@@ -227,11 +227,14 @@ class MetricsLog:
                     self.error = self.error or e
 
 
+_EVALUATIONS = cache.Kept(8)  # an evaluation's program, per eval_fn: compiled once a process
+
+
 class Evaluator:
     """Evaluates snapshots of the server's weights on its own device and thread, in the order they were taken."""
 
     def __init__(self, eval_fn: Callable, device: jax.Device, write: Callable[[dict], None]):
-        self.fn, self.device, self.write = jax.jit(eval_fn), device, write
+        self.fn, self.device, self.write = _EVALUATIONS.get(eval_fn, lambda: jax.jit(eval_fn)), device, write
         self.history: list[dict[str, float]] = []
         self._queue: queue.Queue = queue.Queue()
         self._t0 = time.perf_counter()

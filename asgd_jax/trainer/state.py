@@ -18,10 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asgd_jax import packing, recipes, server
+from asgd_jax import cache, packing, recipes, server
 from asgd_jax.trainer.messages import BadPush, Checked, Computed
 
-__all__ = ["Dispatched", "Exchanged", "StateLayout", "Stored", "StoreState", "host", "host_copy"]
+__all__ = [
+    "Dispatched",
+    "Exchanged",
+    "Programs",
+    "StateLayout",
+    "Stored",
+    "StoreState",
+    "host",
+    "host_copy",
+    "programs",
+]
 
 
 class Exchanged(NamedTuple):
@@ -136,41 +146,30 @@ class StateLayout:
         )
 
 
-class StoreState:
-    """A server state on ``device`` and its compiled programs (see the module's docstring).
+class Programs:
+    """The store's compiled programs for one structure: the rule's recipe (or a rule composed by hand, itself), M, and
+    the weights' and model state's shapes (:func:`programs` keeps them per process). The rule's numbers are arguments
+    of every program that applies it: a store at another learning rate, or a second run, compiles nothing.
 
-    Args:
-      rule: the update rule.
-      params: initial weights w_0.
-      model_state: the initial model state, or ``None``.
-      num_workers: M.
-      device: where the state lives.
+    Attributes:
+      layout, model_state_layout: the packed forms of the weights and of the model state (``{}``'s when stateless).
+      stored_layout: the server state's stored form.
+      stateful: whether the model has a state.
+      init: ``(numbers, params, model_state) -> ServerState``.
+      exchange, pull, answer, backup, packed_backup, weights, of, full: the programs (:class:`StoreState` calls them).
     """
 
-    def __init__(self, rule: optax.GradientTransformation, params: Any, model_state: Any, num_workers: int, device):
-        self.device, self.num_workers = device, num_workers
-        with jax.default_device(device):
-            params, model_state = jax.device_put((params, model_state), device)  # explicit, never implicit
-            state = jax.jit(lambda p, ms: server.init(rule, p, num_workers, ms))(params, model_state)
-        self._ids = [jax.device_put(np.int32(w), device) for w in range(num_workers)]  # placed once, not per push
-        self._sharding = jax.sharding.SingleDeviceSharding(device)
+    def __init__(self, rule_at: Callable[[Any], Any], num_workers: int, numbers: Any, params: Any, model_state: Any):
+        self.init = jax.jit(lambda n, p, ms: server.init(rule_at(n), p, num_workers, ms))
+        shapes = jax.eval_shape(self.init, numbers, params, model_state)
         self.stateful = model_state is not None
-        # Pushes and answers cross as packed buffers (one per dtype), whatever the leaf count (asgd_jax.packing).
-        self.layout = packing.Layout.of(state.params)
-        self.model_state_layout = packing.Layout.of(state.model_state if self.stateful else {})
-        self._structure: Any = jax.tree.structure(state.params)
-        self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
-        self.sends = server.has_pull(rule)  # a pull-side rule answers with a look-ahead, not the server's weights
-        self.stored_layout = StateLayout(state, num_workers, self.layout, self.model_state_layout)
-        # The rule's numbers (learning rate, lambda, ...), placed once: arguments of every program that applies the
-        # rule, which is rebuilt inside it from its recipe (asgd_jax.recipes), as the simulator does: runs at other
-        # numbers share the programs. A rule composed by hand (no recipe) is taken as it is.
-        built = recipes.of(rule)
-        self.numbers = jax.device_put({} if built is None else built.numbers, device)
-        self._compile((lambda n: rule) if built is None else (lambda n: recipes.Recipe(built.structure, n).build()))
-        self.stored: Stored = self._of(jax.device_put(state, device))
+        self.layout = packing.Layout.of(shapes.params)
+        self.model_state_layout = packing.Layout.of(shapes.model_state if self.stateful else {})
+        self.stored_layout = StateLayout(shapes, num_workers, self.layout, self.model_state_layout)
+        self._computed = cache.Kept(8)  # a computed push's program, per worker period function
+        self._compile(rule_at)
 
-    def _compile(self, rule_at: Callable[[Any], optax.GradientTransformation]) -> None:
+    def _compile(self, rule_at: Callable[[Any], Any]) -> None:
         """The very same server step the simulator scans, jitted for the store's device, on packed pushes.
 
         One program per push: the payload's leaves are slices of its packed buffers, the finite check is an output
@@ -231,21 +230,91 @@ class StoreState:
             s = sl.load(st)
             return layout.pack(s.params), ms_layout.pack(s.model_state)
 
-        self._exchange_packed = exchange_packed  # (what a computed push's program ends with)
-        self._computed: dict[Any, Callable] = {}  # a computed push's program, per worker period
-        self._exchange = jax.jit(exchange_packed, donate_argnums=0)
-        self._pull = jax.jit(lambda st, n, w: sl.pull(rule_at(n), sl.load(st), st, w), donate_argnums=0)
-        self._answer = jax.jit(answer)
-        self._packed_backup = jax.jit(backup)
-        self._backup = jax.jit(unpacked_backup)
-        self._weights = jax.jit(weights)
-        self._of, self._full = jax.jit(sl.of), jax.jit(sl.full)
+        self.exchange_packed = exchange_packed  # (what a computed push's program ends with)
+        self.exchange = jax.jit(exchange_packed, donate_argnums=0)
+        self.pull = jax.jit(lambda st, n, w: sl.pull(rule_at(n), sl.load(st), st, w), donate_argnums=0)
+        self.answer = jax.jit(answer)
+        self.packed_backup = jax.jit(backup)
+        self.backup = jax.jit(unpacked_backup)
+        self.weights = jax.jit(weights)
+        self.of, self.full = jax.jit(sl.of), jax.jit(sl.full)
+
+    def computed(self, work: Callable) -> Callable:
+        """A :class:`~asgd_jax.trainer.messages.Computed` push's program for the worker period ``work``: the period at
+        the worker's backup row and the exchange of its payload."""
+        return self._computed.get(work, lambda: self._compile_computed(work))
+
+    def _compile_computed(self, work: Callable) -> Callable:
+        sl, exchange_packed = self.stored_layout, self.exchange_packed
+
+        def computed(st: Stored, numbers, w, batches, model_key, local_lr):
+            params, model_state = sl.row(st, w)  # where the worker computes: its backup
+            payload, model_state, loss, _, finite = work(
+                params, model_state, batches, model_key, local_lr, server.snapshot_version(st, w), w
+            )
+            return (*exchange_packed(st, numbers, w, payload, model_state, finite), loss)
+
+        return jax.jit(computed, donate_argnums=0)
+
+
+_PROGRAMS = cache.Kept(16)
+
+
+def programs(rule: Any, num_workers: int, params: Any, model_state: Any) -> tuple[Programs, dict[str, Any]]:
+    """The store's programs for ``rule`` with ``num_workers`` workers and these weights and model state (their shapes),
+    built on first use in this process, and the rule's numbers, their arguments. The rule is rebuilt inside each
+    program from its recipe (:mod:`asgd_jax.recipes`), as the simulator does; a rule composed by hand (no recipe) is
+    taken as it is, and its programs kept for that very rule."""
+    built = recipes.of(rule)
+    numbers = {} if built is None else built.numbers
+    structure = rule if built is None else built.structure
+    avals = lambda tree: (
+        jax.tree.structure(tree),
+        tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves(tree)),
+    )
+    key = (structure, num_workers, avals(params), avals(model_state))
+
+    def build() -> Programs:
+        rule_at = (lambda n: rule) if built is None else (lambda n: recipes.Recipe(structure, n).build())
+        return Programs(rule_at, num_workers, numbers, params, model_state)
+
+    return _PROGRAMS.get(key, build), numbers
+
+
+class StoreState:
+    """A server state on ``device`` and the programs that change it (see the module's docstring).
+
+    Args:
+      rule: the update rule.
+      params: initial weights w_0.
+      model_state: the initial model state, or ``None``.
+      num_workers: M.
+      device: where the state lives.
+    """
+
+    def __init__(self, rule: optax.GradientTransformation, params: Any, model_state: Any, num_workers: int, device):
+        self.device, self.num_workers = device, num_workers
+        params, model_state = jax.device_put((params, model_state), device)  # explicit, never implicit
+        self.programs, numbers = programs(rule, num_workers, params, model_state)
+        # The rule's numbers (learning rate, lambda, ...), placed once: arguments of every program that applies it.
+        self.numbers = jax.device_put(numbers, device)
+        with jax.default_device(device):
+            state = self.programs.init(self.numbers, params, model_state)
+        self._ids = [jax.device_put(np.int32(w), device) for w in range(num_workers)]  # placed once, not per push
+        self._sharding = jax.sharding.SingleDeviceSharding(device)
+        self.stateful = model_state is not None
+        # Pushes and answers cross as packed buffers (one per dtype), whatever the leaf count (asgd_jax.packing).
+        self.layout, self.model_state_layout = self.programs.layout, self.programs.model_state_layout
+        self._structure: Any = jax.tree.structure(state.params)
+        self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
+        self.sends = server.has_pull(rule)  # a pull-side rule answers with a look-ahead, not the server's weights
+        self.stored: Stored = self.programs.of(jax.device_put(state, device))
 
     @property
     def state(self) -> server.ServerState:
         """The whole server state as a :class:`asgd_jax.server.ServerState` on the store's device (a fresh copy:
         what a checkpoint holds)."""
-        return self._full(self.stored)
+        return self.programs.full(self.stored)
 
     # -- payloads in -------------------------------------------------------------------------------------------------
 
@@ -318,7 +387,7 @@ class StoreState:
         """The same exchange, dispatched without waiting: its outputs stay on the device (:meth:`settle` reads the
         flags later; the answer goes to the worker as it is)."""
         with jax.transfer_guard_host_to_device("allow"):  # (a payload kept on the host crosses here: placed())
-            self.stored, flags, sent, version = self._exchange(
+            self.stored, flags, sent, version = self.programs.exchange(
                 self.stored, self.numbers, self._ids[worker], *_flagged(payload, model_state)
             )
         return Dispatched(flags, sent, version)
@@ -327,27 +396,13 @@ class StoreState:
         """A :class:`~asgd_jax.trainer.messages.Computed` push: the worker's period at its backup row and the exchange
         of its payload, one program, dispatched like :meth:`dispatch`; and the period's loss (on the device).
         ``state``: run it on that copy instead of the live state (a warm-up)."""
-        program = self._computed.get(push.work)
-        if program is None:
-            program = self._computed[push.work] = self._compile_computed(push.work)
+        program = self.programs.computed(push.work)
         with jax.transfer_guard_host_to_device("allow"):  # the minibatches: the one transfer, in the call
             st = self.stored if state is None else state
             out = program(st, self.numbers, self._ids[worker], push.batches, push.model_key, push.local_lr)
         if state is None:
             self.stored = out[0]
         return Dispatched(*out[1:4]), out[4]
-
-    def _compile_computed(self, work: Callable) -> Callable:
-        sl, exchange_packed = self.stored_layout, self._exchange_packed
-
-        def computed(st: Stored, numbers, w, batches, model_key, local_lr):
-            params, model_state = sl.row(st, w)  # where the worker computes: its backup
-            payload, model_state, loss, _, finite = work(
-                params, model_state, batches, model_key, local_lr, server.snapshot_version(st, w), w
-            )
-            return (*exchange_packed(st, numbers, w, payload, model_state, finite), loss)
-
-        return jax.jit(computed, donate_argnums=0)
 
     def warm_up_computed(self, worker: int, push: Computed) -> None:
         """Compiles a computed push's program on a scratch copy of the state (the live state untouched)."""
@@ -364,26 +419,26 @@ class StoreState:
 
     def pull(self, worker: int) -> tuple:
         """Records ``worker``'s pull; the packed weights it computes at."""
-        self.stored = self._pull(self.stored, self.numbers, self._ids[worker])
-        return host(self._packed_backup(self.stored, self._ids[worker])[:2])
+        self.stored = self.programs.pull(self.stored, self.numbers, self._ids[worker])
+        return host(self.programs.packed_backup(self.stored, self._ids[worker])[:2])
 
     def answer(self, worker: int) -> tuple:
         """What a pull by ``worker`` would send, packed on the host (nothing recorded)."""
-        return host(self._answer(self.stored, self.numbers, self._ids[worker]))
+        return host(self.programs.answer(self.stored, self.numbers, self._ids[worker]))
 
     def backup(self, worker: int) -> tuple[Any, Any, int]:
         """``worker``'s backup as pytrees (device arrays) and its version."""
-        params, model_state, version = self._backup(self.stored, self._ids[worker])  # (one program)
+        params, model_state, version = self.programs.backup(self.stored, self._ids[worker])  # (one program)
         return params, model_state, int(jax.device_get(version))
 
     def packed_backup(self, worker: int) -> tuple[tuple, tuple, int]:
         """``worker``'s backup as packed host buffers (one program, one transfer per buffer) and its version."""
-        params, model_state, version = self._packed_backup(self.stored, self._ids[worker])
+        params, model_state, version = self.programs.packed_backup(self.stored, self._ids[worker])
         return *host((params, model_state)), int(jax.device_get(version))
 
     def weights(self) -> tuple:
         """The server's own weights, packed on the host (a pull-side rule's answer is a look-ahead instead)."""
-        return host(self._weights(self.stored))
+        return host(self.programs.weights(self.stored))
 
     def unpack(self, packed: tuple) -> tuple[Any, Any]:
         """Packed ``(params, model_state)`` host buffers as the model's pytrees (views, no copy)."""
@@ -397,16 +452,16 @@ class StoreState:
         with their check (a run's workers'), else the one that checks them."""
         g, ms = self.put(self.zeros)
         ok = jax.device_put(np.bool_(True), self.device) if checked else None
-        jax.block_until_ready(self._exchange(self._scratch(), self.numbers, self._ids[0], g, ms, ok))
-        jax.block_until_ready(self._packed_backup(self.stored, self._ids[0]))
-        jax.block_until_ready(self._weights(self.stored))
-        jax.block_until_ready(self._full(self.stored))  # (what a checkpoint reads: not compiled mid-run)
+        jax.block_until_ready(self.programs.exchange(self._scratch(), self.numbers, self._ids[0], g, ms, ok))
+        jax.block_until_ready(self.programs.packed_backup(self.stored, self._ids[0]))
+        jax.block_until_ready(self.programs.weights(self.stored))
+        jax.block_until_ready(self.programs.full(self.stored))  # (what a checkpoint reads: not compiled mid-run)
 
     def lower(self, worker: int, payload: tuple | Checked, model_state: tuple) -> jax.stages.Lowered:
         """The exchange for a packed payload (or a :class:`~asgd_jax.trainer.messages.Checked` one: the program that
         takes its flag), lowered (``.compile().as_text()`` is its optimised HLO)."""
         arguments = self.put(_flagged(payload, model_state))
-        return self._exchange.lower(self.stored, self.numbers, self._ids[worker], *arguments)
+        return self.programs.exchange.lower(self.stored, self.numbers, self._ids[worker], *arguments)
 
     def lost(self) -> bool:
         """Whether a failing exchange consumed the donated state: its buffers deleted (the exchange failed at its
@@ -422,7 +477,7 @@ class StoreState:
 
     def restore(self, state: server.ServerState) -> None:
         """Replaces the state with a checkpoint's (moved to the store's device)."""
-        self.stored = self._of(jax.device_put(state, self.device))
+        self.stored = self.programs.of(jax.device_put(state, self.device))
 
 
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))

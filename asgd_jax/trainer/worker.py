@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asgd_jax import errors, exchange, packing
+from asgd_jax import cache, errors, exchange, packing
 from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.trainer.config import TrainConfig
@@ -293,14 +293,9 @@ class Worker:
         # or not made yet); ``_restored``: its leaves from the store's checkpoint, placed at the first computation.
         self.inner: Any = None
         self._restored: list | None = None
-        if "inner init" not in shared:
-            shared["inner init"] = jax.jit(
-                lambda packed: exchange.inner_optimizer(ex.inner, 0.0).init(setup.layouts[0].unpack(packed))
-            )
-        self._inner_init = shared["inner init"]
-        if "adopt" not in shared:  # the new inner state where the push was finite, else the old (on the devices)
-            shared["adopt"] = jax.jit(lambda ok, new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old))
-        self._adopt = shared["adopt"]
+        self._inner_init = _INNER_INIT.get(
+            (ex.inner, setup.layouts[0]), lambda: _inner_init(ex.inner, setup.layouts[0])
+        )
         # DyLU: the worker's own steps, placed once on its devices (an argument: one program for every worker).
         self._steps = () if setup.steps is None else (jax.device_put(np.int32(setup.steps), self.group.replicated),)
 
@@ -408,7 +403,7 @@ class Worker:
                         # an ignored or rejected one's: a pipelined store answers before it knows, and it rejects
                         # exactly the non-finite pushes)
                         if isinstance(finite, jax.Array):  # (on the devices: nothing waited for)
-                            self.inner = self._adopt(finite, out[5], self.inner)
+                            self.inner = _adopt(finite, out[5], self.inner)
                         elif finite:
                             self.inner = out[5]
                 elif answer.status == "closed":
@@ -467,3 +462,14 @@ class Worker:
             if applied < 0:
                 break
         return True
+
+
+_INNER_INIT = cache.Kept(8)  # a worker's inner optimizer's init, per optimizer and layout: compiled once a process
+
+
+def _inner_init(inner: str, layout: packing.Layout) -> Callable:
+    return jax.jit(lambda packed: exchange.inner_optimizer(inner, 0.0).init(layout.unpack(packed)))
+
+
+# The new inner state where the push was finite, else the old (on the worker's devices).
+_adopt = jax.jit(lambda ok, new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old))
