@@ -275,5 +275,7 @@ def test_the_compile_census_books_each_program_to_the_test_that_compiled_it(tmp_
     finally:
         census.close()
     counted = json.loads((tmp_path / "census.gw9.json").read_text())
-    assert {k: n for k, (_, n) in counted.items()} == {"first": 1, "second": 2}
-    assert all(s > 0 for s, _ in counted.values())
+    assert {k: n for k, (_, n) in counted["tests"].items()} == {"first": 1, "second": 2}
+    assert all(s > 0 for s, _ in counted["tests"].values())
+    assert counted["programs"]["<lambda>"][1] == 3  # and by program name, across the tests
+    assert counted["programs"]["<lambda>"][0] == pytest.approx(sum(s for s, _ in counted["tests"].values()))

@@ -2,8 +2,9 @@
 
 Runs the suite (``make test``'s pytest line, or the pytest arguments given) with an empty compilation cache, every
 pytest process counting the programs XLA compiles during each test (``tests/helpers/compiles.py``'s ``Census``), and
-prints the totals by module and the heaviest tests. Notebooks run in kernels of their own and Ray's actors in
-processes of their own: neither is counted (their cost shows as the wall time the census does not explain).
+prints the totals by module, by program name (a persistent-cache hit counts as a compilation of its load time) and
+the heaviest tests. Notebooks run in kernels of their own and Ray's actors in processes of their own: neither is
+counted (their cost shows as the wall time the census does not explain).
 
     .venv/bin/python experiments/benchmarks/compile_census.py                    # the whole suite, ~10 min on 2 cores
     .venv/bin/python experiments/benchmarks/compile_census.py tests/test_studies.py
@@ -37,9 +38,14 @@ def main() -> None:
         done = subprocess.run(command, env=env, check=False)
         wall = time.perf_counter() - t0
         counted: dict[str, list[float]] = {}
+        named: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
         for path in glob.glob(prefix + ".*.json"):
             with open(path) as f:
-                counted.update(json.load(f))
+                one = json.load(f)
+            counted.update(one["tests"])
+            for name, (s, n) in one["programs"].items():
+                named[name][0] += s
+                named[name][1] += n
     seconds = sum(s for s, _ in counted.values())
     programs = sum(n for _, n in counted.values())
     print(f"\npytest exit {done.returncode}; wall {wall:.0f} s; XLA compiled {programs} programs in {seconds:.0f} s")
@@ -51,6 +57,9 @@ def main() -> None:
     print("\n| module | compile s | programs |\n|---|---|---|")
     for module, s in modules.most_common(args.top):
         print(f"| {module} | {s:.1f} | {module_programs[module]} |")
+    print("\n| program | compile s | compilations |\n|---|---|---|")
+    for name, (s, n) in sorted(named.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"| {name} | {s:.1f} | {n} |")
     print("\n| test | compile s | programs |\n|---|---|---|")
     for test, (s, n) in sorted(counted.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"| {test.split('@')[0]} | {s:.1f} | {n} |")

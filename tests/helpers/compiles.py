@@ -11,7 +11,9 @@ COMPILE = "/jax/core/compile/backend_compile_duration"
 
 @contextlib.contextmanager
 def compilations():
-    """Counts the programs XLA compiles inside the block, by name (``simulator_chunk``, ...)."""
+    """Counts the programs XLA compiles inside the block, by name (``simulator_chunk``, ...). A program loaded from the
+    persistent cache counts too (JAX times ``compile_or_get_cached`` as one event): 0 means nothing compiled or
+    loaded, every program was found in the process."""
     counts: collections.Counter = collections.Counter()
 
     def listen(event, duration, **kwargs):
@@ -34,6 +36,7 @@ class Census:
         self.prefix, self.current = prefix, "<collection>"
         self.seconds: collections.Counter = collections.Counter()
         self.programs: collections.Counter = collections.Counter()
+        self.by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])  # a program's name -> s, n
         if prefix:
             jax.monitoring.register_event_duration_secs_listener(self._listen)
 
@@ -41,6 +44,9 @@ class Census:
         if event == COMPILE:
             self.seconds[self.current] += duration
             self.programs[self.current] += 1
+            named = self.by_name[kwargs.get("fun_name", "?").removeprefix("jit(").removesuffix(")")]
+            named[0] += duration
+            named[1] += 1
 
     def start(self, nodeid: str) -> None:
         self.current = nodeid
@@ -48,7 +54,8 @@ class Census:
     def write(self, worker: str) -> None:
         if self.prefix:
             with open(f"{self.prefix}.{worker}.json", "w") as f:
-                json.dump({k: [self.seconds[k], self.programs[k]] for k in self.seconds}, f)
+                tests = {k: [self.seconds[k], self.programs[k]] for k in self.seconds}
+                json.dump({"tests": tests, "programs": self.by_name}, f)
 
     def close(self) -> None:
         if self.prefix:
