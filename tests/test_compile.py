@@ -37,9 +37,9 @@ def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
         (0.05, 0.5, 0, 200, even, W0),
         (0.05, 2.0, 1, 200, even, W0),
         (0.05, 2.0, 2, 300, even, W0),
-        (0.05, 2.0, 0, 250, even, W0),  # 250 = 5 chunks of 50: the same chunk; 230 needs a shorter last part
+        (0.05, 2.0, 0, 250, even, W0),  # 250 = 5 chunks of 50; 230 ends in a shorter part: the same program
         (0.05, 2.0, 0, 230, even, W0),
-        (0.05, 2.0, 0, 210, (1.0, 0.5, 0.25, 1.0), W0),  # 10 more: the shorter part's program takes any length
+        (0.05, 2.0, 0, 210, (1.0, 0.5, 0.25, 1.0), W0),  # 10 more: the chunk program takes any length
         (0.02, 1.0, 3, 200, (2.0, 1.0, 1.0, 1.0), W0),
         (0.05, 2.0, 0, 200, even, 2 * W0),
     ]
@@ -53,7 +53,7 @@ def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
                 lsq_loss, rule, jnp.asarray(w0), DATA, plan, key=jax.random.key(seed), eval_fn=eval_fn, progress=False
             )
             finals.append(np.asarray(result.params))
-    expected = {"simulator_start": 1, "simulator_chunk": 1, "simulator_tail": 1, "simulator_eval": 1}
+    expected = {"simulator_start": 1, "simulator_chunk": 1, "simulator_eval": 1}
     assert _simulator(counts) == expected, counts
     assert len({f.tobytes() for f in finals}) == len(calls)  # every call's numbers reached its run
 

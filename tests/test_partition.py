@@ -169,7 +169,7 @@ def test_a_partitioned_run_is_deterministic_and_each_partition_is_its_own_number
             assert finals.setdefault(p, bits) == bits  # the same partition: identical bits
     assert len(set(finals.values())) == 5  # every partition its own run
     simulator = {k: v for k, v in counts.items() if k.startswith("simulator_")}
-    assert simulator["simulator_start"] == 1 and set(simulator.values()) == {1}, counts  # (60 updates: one tail)
+    assert simulator["simulator_start"] == 1 and set(simulator.values()) == {1}, counts
 
 
 def test_a_sweep_runs_every_seed_on_the_one_partition():

@@ -38,7 +38,7 @@ The package, a module per job (import from here: ``asgd_jax.simulator.simulate``
 - ``checks``: a call's arguments checked, before anything is made on a device or compiled.
 - ``cache``: the programs kept across calls, keyed on what shapes them (:func:`clear_cache`, :class:`RecompileWarning`);
   ``prepare`` finds a call's, building them on a miss.
-- ``programs``: what a compiled program is: a run's start, chunk and tail, built from the state machine, and an
+- ``programs``: what a compiled program is: a run's start and chunk, built from the state machine, and an
   evaluation's; each piece compiled once per shapes on whichever thread asks first (:data:`PROGRAM_NAMES`,
   :data:`COMPILE_EVENT`, :data:`WAIT_EVENT`).
 - ``chunks``: the chunk driver: a call's programs run chunk by chunk, with evaluations, the progress bar, checkpoints

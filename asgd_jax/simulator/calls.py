@@ -161,7 +161,7 @@ def lower(
     model_state = {} if model_state is None else model_state
     numbers = _numbers(plan, rule_numbers, delay_numbers, data)
     state = jax.eval_shape(programs.run.jitted["start"], params, model_state, key, {}, numbers)
-    return programs.run.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), key, {}, numbers)
+    return programs.run.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), key, {}, numbers, np.int32(0))
 
 
 def sweep(*args: Any, **kwargs: Any) -> SimulationResult:

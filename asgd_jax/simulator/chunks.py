@@ -91,15 +91,11 @@ def _start_shape(run: _Program, c: Call) -> SimState:
 
 
 def compile_updates(programs: _Programs, c: Call) -> None:
-    """Compiles the chunk (and the shorter last part's program, if the budget needs it) of a call; a failure is left
-    for the call itself to meet and report, when it runs the program."""
+    """Compiles the chunk program of a call; a failure is left for the call itself to meet and report, when it runs
+    the program."""
     try:
         state = _start_shape(programs.run, c)
-        args = (c.data, c.keys, c.hparams, c.numbers)
-        if c.plan.num_updates >= c.plan.chunk_length:
-            programs.run.compiled("chunk", state, *args)
-        if c.plan.num_updates % c.plan.chunk_length:
-            programs.run.compiled("tail", state, *args, np.int32(0))
+        programs.run.compiled("chunk", state, c.data, c.keys, c.hparams, c.numbers, np.int32(0))
     except Exception:
         return
 
@@ -140,10 +136,7 @@ def _chunks(programs: _Programs, call: Call) -> SimulationResult:
             interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             length = min(chunk, plan.num_updates - so_far.done)
             end = so_far.done + length
-            if length == chunk:
-                state, metrics = program.call("chunk", state, call.data, *args)
-            else:
-                state, metrics = program.call("tail", state, call.data, *args, np.int32(length))
+            state, metrics = program.call("chunk", state, call.data, *args, np.int32(length))
             if programs.evaluates and (end % every == 0 or end == plan.num_updates):
                 so_far.evals.append(jax.device_get(programs.evaluate(state, call.eval_data)))
                 so_far.eval_updates.append(end)

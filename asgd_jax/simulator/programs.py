@@ -1,4 +1,4 @@
-"""The compiled programs: a run's start, chunk and tail (:func:`make_program`, the state machine of ``updates`` and
+"""The compiled programs: a run's start and chunk (:func:`make_program`, the state machine of ``updates`` and
 ``state`` scanned and jitted), and an evaluation's (:func:`make_evaluator`).
 
 A :class:`Program` compiles each of its pieces once per shapes of its arguments, on whichever thread asks first: the
@@ -34,7 +34,7 @@ from asgd_jax.simulator.updates import round_schedule as _round_schedule
 from asgd_jax.simulator.updates import step as _step
 from asgd_jax.simulator.updates import sync_schedule as _sync_schedule
 
-PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_tail", "simulator_eval")
+PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_eval")
 """The names the simulator's compiled programs carry (in ``jax_log_compiles`` and :mod:`jax.monitoring` events)."""
 COMPILE_EVENT = "/asgd_jax/simulator/compile_duration"
 """A :mod:`jax.monitoring` duration event: one program compiled (or loaded from the persistent cache), on any thread."""
@@ -70,10 +70,11 @@ class Key(NamedTuple):
 class Program:
     """A run's compiled pieces, each compiled once per shapes of its arguments (and kept with the program).
 
-    ``start(params, model_state, keys, hparams, numbers) -> state``; ``chunk(state, data, keys, hparams, numbers) ->
-    (state, per-update metrics)`` over ``plan.chunk_length`` updates; ``tail(..., n)``: the same over the first ``n``
-    updates of a chunk (a run's last, shorter part: a loop whose trip count is an argument); or an evaluation's program,
-    ``eval(params, model_state, eval_data) -> {"eval_<name>": ...}``.
+    ``start(params, model_state, keys, hparams, numbers) -> state``; ``chunk(state, data, keys, hparams, numbers, n)
+    -> (state, per-update metrics)``: the first ``n`` updates of a chunk of ``plan.chunk_length`` (a loop whose trip
+    count is an argument: a whole chunk and a run's last, shorter part are one program; a chunk scanned at a fixed
+    length, beside it, cost a second compilation and ran no faster, benchmarks/README.md); or an evaluation's
+    program, ``eval(params, model_state, eval_data) -> {"eval_<name>": ...}``.
 
     :meth:`call` runs one, compiling it first if needed (ahead-of-time: ``lower(...).compile()``), so that
     :meth:`Prepared.compile` can compile a run's programs on another thread while an earlier run computes; a call that
@@ -120,7 +121,7 @@ class Program:
 
 
 class Programs(NamedTuple):
-    """A call's programs: its run's (start, chunk, tail), and its evaluation's, or None (no eval_fn)."""
+    """A call's programs: its run's (start, chunk), and its evaluation's, or None (no eval_fn)."""
 
     run: Program
     evaluator: Program | None
@@ -154,7 +155,7 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
     def one_start(params, model_state, k, h, numbers):
         return _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state, ex.inner)
 
-    def one_chunk(state, data, k, h, numbers, n=None):
+    def one_chunk(state, data, k, h, numbers, n):
         del k  # the run's keys were split once, at its start: they are in the state
         rule, delays = source.rule(h, numbers), source.delays(h, numbers)
         delay_key, model_key = (jax.random.wrap_key_data(w) for w in (state.keys.delay, state.keys.model))
@@ -184,12 +185,8 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
         step = lambda s, x: _step(c, s, x)
         # The carry: the server, and with an inner optimizer every worker's state of it too.
         first = state.server if state.workers is None else (state.server, state.workers)
-        if n is None:
-            carry, metrics = jax.lax.scan(step, first, schedule)
-            clock = schedule.time[-1]
-        else:
-            carry, metrics = _dynamic_scan(step, first, schedule, n)
-            clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
+        carry, metrics = _dynamic_scan(step, first, schedule, n)
+        clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
         srv, workers = (carry, None) if state.workers is None else carry
         if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             srv = server.pull(srv, 0)
@@ -197,14 +194,12 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
 
     if batched:  # the runs axis: keys and hparams per run; data, numbers and the trip count shared
         start = jax.vmap(one_start, in_axes=(None, None, 0, 0, None))
-        chunk = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None))
-        tail = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None, None))
+        chunk = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None, None))
     else:
-        start, chunk, tail = one_start, one_chunk, one_chunk
+        start, chunk = one_start, one_chunk
     jitted = {
         "start": jax.jit(_named(start, PROGRAM_NAMES[0])),
         "chunk": jax.jit(_named(chunk, PROGRAM_NAMES[1]), donate_argnums=0),
-        "tail": jax.jit(_named(tail, PROGRAM_NAMES[2]), donate_argnums=0),
     }
     return Program(jitted)
 
@@ -218,7 +213,7 @@ def make_evaluator(eval_fn, batched: bool, params: Any, model_state: Any) -> Pro
     one = lambda params, model_state, eval_data: _evaluate(evaluate, params, model_state, eval_data)
     jax.eval_shape(one, params, model_state, eval_data)
     fn = jax.vmap(one, in_axes=(0, 0, None)) if batched else one
-    return Program({"eval": jax.jit(_named(fn, PROGRAM_NAMES[3]))})
+    return Program({"eval": jax.jit(_named(fn, PROGRAM_NAMES[2]))})
 
 
 def _named(fn: Callable, name: str) -> Callable:
