@@ -102,8 +102,8 @@ def clear() -> None:
 
 class Kept:
     """Up to ``size`` things (compiled programs, the functions that hold them) kept in this process, keyed on what
-    shapes them, the least recently used dropped first; thread-safe. A key that cannot be hashed (a closure among its
-    parts that is not) is built every time and not kept.
+    shapes them, the least recently used dropped first; thread-safe. A key that cannot be hashed (a list, dict or
+    array among its parts) is built every time and not kept.
 
     Example:
       >>> kept = Kept(2)

@@ -44,8 +44,8 @@ INNER = ("sgd", "momentum", "adamw")
 
 DEFAULT_CHUNK = 100
 """Updates per compiled chunk when neither ``chunk`` nor ``eval_every`` says: independent of the budget, so runs of
-any length share the chunk's program (a run shorter than a chunk, or its last part, runs in a second program that
-takes any length up to the chunk's)."""
+any length share the chunk's program (it takes any length up to the chunk's: a run shorter than a chunk, or its
+last part, runs in it too; on an accelerator whole chunks run in a scan of their own)."""
 
 
 class PlanStructure(NamedTuple):

@@ -167,21 +167,49 @@ def test_a_second_run_at_other_numbers_compiles_nothing_and_replays(tmp_path, n_
     # Every program of a run is kept for its structure, its numbers (the rule's learning rate and lambda, the local
     # learning rate) arguments: a second run at other numbers compiles nothing, not even a load from the persistent
     # cache (a store compiled its 8 programs again for every run), and its trace replays to its weights bit for bit.
-    local = {"push": "delta", "local_lr": 0.03} if n_sync > 1 else {}
+    # Worker 0 shares the store's device (cpu:0): its pushes run in the store's kept computed-push program.
 
-    def run(lr: float, name: str):
+    def run(lr: float, lam: float, local_lr: float, name: str):
+        local = {"push": "delta", "local_lr": local_lr} if n_sync > 1 else {}
         config = train_config(2, num_updates=12, batch_size=4, n_sync=n_sync, seed=1, out=str(tmp_path / name), **local)
         with compilations() as counts:
-            result = train(lsq_loss, asgd_jax.dc_asgd(lr, 2.0, adaptive=True), W0, DATA, config)
+            result = train(lsq_loss, asgd_jax.dc_asgd(lr, lam, adaptive=True), W0, DATA, config)
         return result, sum(counts.values())
 
-    run(0.02, "first")
-    again, compiled = run(0.03, "again")
+    run(0.02, 2.0, 0.03, "first")
+    again, compiled = run(0.03, 1.0, 0.05, "again")
     assert compiled == 0
-    replayed = replay_clean(tmp_path / "again", asgd_jax.dc_asgd(0.03, 2.0, adaptive=True), seed=1)
+    plan = asgd_jax.trainer.replay_plan(tmp_path / "again")
+    assert n_sync == 1 or plan.local_lr == 0.05
+    replayed = replay_clean(tmp_path / "again", asgd_jax.dc_asgd(0.03, 1.0, adaptive=True), seed=1)
     np.testing.assert_array_equal(replayed.params, again.params)
     asgd_jax.trainer.clear_cache()
-    assert run(0.03, "fresh")[1] > 0  # (forgotten: compiled, or loaded from the persistent cache, again)
+    assert run(0.03, 1.0, 0.05, "fresh")[1] > 0  # (forgotten: compiled, or loaded from the persistent cache, again)
+
+
+def test_a_second_run_evaluates_its_own_split_in_the_first_runs_program(tmp_path):
+    # The evaluation's program is kept per eval_fn, and classification_eval's are equal whatever their data (the data
+    # is no part of what shapes the program): the held-out split must then be an argument, not the first run's
+    # constant (a review found the second run reporting the first one's split).
+    ds = asgd_jax.data.load("digits")
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
+    params, state = model.init(jax.random.key(0))
+    half = len(ds.test["y"]) // 2
+    first = {k: v[:half] for k, v in ds.test.items()}
+    second = {"x": ds.test["x"][half : 2 * half], "y": (ds.test["y"][half : 2 * half] + 1) % 10}  # other labels
+    assert asgd_jax.classification_eval(model, first) == asgd_jax.classification_eval(model, second)
+    loss = asgd_jax.classification_loss(model)
+
+    def run(split, name: str):
+        evaluate = asgd_jax.classification_eval(model, split)
+        config = TrainConfig(Plan(1, num_updates=4, batch_size=16, eval_every=4), out=str(tmp_path / name))
+        result = train(loss, asgd_jax.asgd(0.1), params, ds.train, config, model_state=state, eval_fn=evaluate)
+        expected = jax.device_get(evaluate(result.params, result.model_state))  # eager, on the split itself
+        return {k: result.evals[-1][k] for k in expected}, {k: float(v) for k, v in expected.items()}
+
+    for split, name in ((first, "first"), (second, "second")):
+        got, expected = run(split, name)
+        assert got == pytest.approx(expected, rel=1e-6), name
 
 
 @pytest.mark.parametrize("store_device", ["cpu", "cpu:1"])

@@ -10,13 +10,15 @@ scans the step in chunks: between chunks it evaluates, updates the progress bar 
 
 Compiled once per structure: a run is described by a :class:`asgd_jax.Plan`, and its programs are cached across calls,
 keyed on what shapes them (the plan's structure, the loss, the rule's structure, the shapes and dtypes of the weights
-and the data). Everything numeric is an argument: the initial weights, the key, the rule's numbers (a rule built by
-one of :mod:`asgd_jax.rules`' factories, see :mod:`asgd_jax.recipes`), the delay model's numbers, ``local_lr`` and the
-budget. A run compiles two programs: its start (the initial state) and its chunk of ``plan.chunk_length`` updates; a
-run whose budget is not a whole number of chunks also compiles (once, for any length) the program that runs its last,
-shorter part. With an ``eval_fn``, the evaluation is a program of its own, keyed by the eval_fn and the weights' shapes
-only: runs of other rules, clusters and plans on the same model share it. A rule that is a closure of its own is keyed
-by identity: build it once.
+and the data). Everything numeric is an argument: the initial weights, the key, the rule's numbers (a rule built by one
+of :mod:`asgd_jax.rules`' factories, see :mod:`asgd_jax.recipes`), the delay model's numbers, ``local_lr`` and the
+budget. A run compiles two programs: its start (the initial state) and its chunk, a loop over up to
+``plan.chunk_length`` updates whose trip count is an argument, so a run's last, shorter part runs in it too; on an
+accelerator, whole chunks run in a third, scanned at their known length (XLA:GPU reads the predicate of a loop of
+unknown trip count on the host on every trip). With an ``eval_fn``, the evaluation is a program of its own, keyed by the
+eval_fn and the weights' shapes only: runs of other rules, clusters and plans on the same model share it. A rule that is
+a closure of its own is keyed by identity: build it once.
+
 
 Randomness: the run's key is split into data, delay and model keys; update t draws its delay with
 ``fold_in(delay_key, t)``. The model's randomness (dropout, augmentation) of the worker w that pushes at t uses

@@ -25,6 +25,7 @@ from asgd_jax import delays as delays_lib
 from asgd_jax import errors, exchange, partition, recipes
 from asgd_jax.delays import links as links_lib
 from asgd_jax.plan import Plan
+from asgd_jax.simulator import programs as programs_lib
 from asgd_jax.simulator.cache import prepare as _prepare
 from asgd_jax.simulator.checks import check_devices as _check_devices
 from asgd_jax.simulator.checks import check_hparams as _check_hparams
@@ -137,9 +138,11 @@ def lower(
     model_state: Any = None,
     has_aux: bool = False,
 ) -> jax.stages.Lowered:
-    """The program :func:`simulate` compiles for a chunk of ``plan.chunk_length`` updates, lowered, for inspection.
+    """The program :func:`simulate` runs a whole chunk of ``plan.chunk_length`` updates with, lowered, for inspection.
 
-    The program is ``(state, data, key, hparams, numbers) -> (state, metrics)`` with the state donated;
+    The program is ``(state, data, key, hparams, numbers[, n]) -> (state, metrics)`` with the state donated (``n``,
+    the updates to run, on a CPU, where one program runs every chunk: :func:`~asgd_jax.simulator.programs.
+    scans_whole_chunks`);
     ``.compile()`` gives its optimised HLO (``.as_text()``), cost and memory analyses, so one can check what an update
     costs (see ARCHITECTURE.md, "What a step costs").
 
@@ -161,7 +164,10 @@ def lower(
     model_state = {} if model_state is None else model_state
     numbers = _numbers(plan, rule_numbers, delay_numbers, data)
     state = jax.eval_shape(programs.run.jitted["start"], params, model_state, key, {}, numbers)
-    return programs.run.jitted["chunk"].lower(state, jax.tree.map(jnp.asarray, data), key, {}, numbers, np.int32(0))
+    args = (state, jax.tree.map(jnp.asarray, data), key, {}, numbers)
+    if programs_lib.scans_whole_chunks(jax.default_backend()):  # the program that runs a whole chunk here
+        return programs.run.jitted["scan"].lower(*args)
+    return programs.run.jitted["chunk"].lower(*args, np.int32(0))
 
 
 def sweep(*args: Any, **kwargs: Any) -> SimulationResult:
@@ -220,8 +226,8 @@ class Prepared(NamedTuple):
 
     def compile(self) -> None:
         """Compiles the programs this call will run: its start, its evaluation (shared with other calls that evaluate
-        the same eval_fn on the same weights' shapes), its chunk, and the program of its last, shorter part when the
-        budget is not a whole number of chunks."""
+        the same eval_fn on the same weights' shapes) and its chunk (on accelerators, the scanned whole chunk and,
+        when the budget is not a whole number of chunks, the chunk program of its last, shorter part)."""
         c = self.call
         self.program.run.compiled("start", c.params, c.model_state, c.keys, c.hparams, c.numbers)
         _compile_eval(self.program, c)

@@ -22,6 +22,7 @@ import numpy as np
 from asgd_jax import checkpoint as ckpt
 from asgd_jax import errors, exchange, interrupts
 from asgd_jax.plan import Plan
+from asgd_jax.simulator import programs as programs_lib
 from asgd_jax.simulator.programs import Program as _Program
 from asgd_jax.simulator.programs import Programs as _Programs
 from asgd_jax.simulator.state import SimState, SimulationResult
@@ -91,13 +92,29 @@ def _start_shape(run: _Program, c: Call) -> SimState:
 
 
 def compile_updates(programs: _Programs, c: Call) -> None:
-    """Compiles the chunk program of a call; a failure is left for the call itself to meet and report, when it runs
-    the program."""
+    """Compiles the update programs a call needs (:func:`~asgd_jax.simulator.programs.scans_whole_chunks`); a failure
+    is left for the call itself to meet and report, when it runs the program."""
     try:
         state = _start_shape(programs.run, c)
-        programs.run.compiled("chunk", state, c.data, c.keys, c.hparams, c.numbers, np.int32(0))
+        args = (c.data, c.keys, c.hparams, c.numbers)
+        scanned, whole, part = (
+            _scanned(c),
+            c.plan.num_updates // c.plan.chunk_length,
+            c.plan.num_updates % c.plan.chunk_length,
+        )
+        if scanned and whole:
+            programs.run.compiled("scan", state, *args)
+        if part or not scanned:
+            programs.run.compiled("chunk", state, *args, np.int32(0))
     except Exception:
         return
+
+
+def _scanned(c: Call) -> bool:
+    """Whether the call's whole chunks run in the scan program, by the platform of its keys (placed on its devices)."""
+    devices = getattr(c.keys, "devices", None)
+    platform = next(iter(devices())).platform if callable(devices) else jax.default_backend()
+    return programs_lib.scans_whole_chunks(platform)
 
 
 def compile_eval(programs: _Programs, c: Call) -> None:
@@ -128,7 +145,7 @@ def _chunks(programs: _Programs, call: Call) -> SimulationResult:
         if programs.evaluates:
             so_far.evals, so_far.eval_updates = [jax.device_get(programs.evaluate(state, call.eval_data))], [0]
     bar = _bar(call.progress, plan.num_updates, so_far.done, call.description)
-    chunk, every = plan.chunk_length, plan.eval_interval()
+    chunk, every, scanned = plan.chunk_length, plan.eval_interval(), _scanned(call)
     warned = [False]
     over = _past_budget(plan, state, so_far, programs.evaluates)  # a resumed run may be over already
     try:
@@ -136,7 +153,10 @@ def _chunks(programs: _Programs, call: Call) -> SimulationResult:
             interrupts.check()  # a Ctrl-C something swallowed (while compiling) still stops the run
             length = min(chunk, plan.num_updates - so_far.done)
             end = so_far.done + length
-            state, metrics = program.call("chunk", state, call.data, *args, np.int32(length))
+            if length == chunk and scanned:
+                state, metrics = program.call("scan", state, call.data, *args)
+            else:
+                state, metrics = program.call("chunk", state, call.data, *args, np.int32(length))
             if programs.evaluates and (end % every == 0 or end == plan.num_updates):
                 so_far.evals.append(jax.device_get(programs.evaluate(state, call.eval_data)))
                 so_far.eval_updates.append(end)

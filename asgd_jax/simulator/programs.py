@@ -1,5 +1,5 @@
-"""The compiled programs: a run's start and chunk (:func:`make_program`, the state machine of ``updates`` and
-``state`` scanned and jitted), and an evaluation's (:func:`make_evaluator`).
+"""The compiled programs: a run's start, chunk and scanned chunk (:func:`make_program`, the state machine of ``updates``
+and ``state`` scanned and jitted), and an evaluation's (:func:`make_evaluator`).
 
 A :class:`Program` compiles each of its pieces once per shapes of its arguments, on whichever thread asks first: the
 run's own compile thread (its updates compile while its start runs), a study's (:meth:`Prepared.compile`, the next arm
@@ -34,7 +34,7 @@ from asgd_jax.simulator.updates import round_schedule as _round_schedule
 from asgd_jax.simulator.updates import step as _step
 from asgd_jax.simulator.updates import sync_schedule as _sync_schedule
 
-PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_eval")
+PROGRAM_NAMES = ("simulator_start", "simulator_chunk", "simulator_eval", "simulator_scan")
 """The names the simulator's compiled programs carry (in ``jax_log_compiles`` and :mod:`jax.monitoring` events)."""
 COMPILE_EVENT = "/asgd_jax/simulator/compile_duration"
 """A :mod:`jax.monitoring` duration event: one program compiled (or loaded from the persistent cache), on any thread."""
@@ -72,9 +72,9 @@ class Program:
 
     ``start(params, model_state, keys, hparams, numbers) -> state``; ``chunk(state, data, keys, hparams, numbers, n)
     -> (state, per-update metrics)``: the first ``n`` updates of a chunk of ``plan.chunk_length`` (a loop whose trip
-    count is an argument: a whole chunk and a run's last, shorter part are one program; a chunk scanned at a fixed
-    length, beside it, cost a second compilation and ran no faster, benchmarks/README.md); or an evaluation's
-    program, ``eval(params, model_state, eval_data) -> {"eval_<name>": ...}``.
+    count is an argument: every chunk on a CPU, a run's last, shorter part elsewhere); ``scan(state, data, keys,
+    hparams, numbers)``: a whole chunk, a loop of known trip count (on accelerators, :func:`scans_whole_chunks`); or
+    an evaluation's program, ``eval(params, model_state, eval_data) -> {"eval_<name>": ...}``.
 
     :meth:`call` runs one, compiling it first if needed (ahead-of-time: ``lower(...).compile()``), so that
     :meth:`Prepared.compile` can compile a run's programs on another thread while an earlier run computes; a call that
@@ -121,7 +121,7 @@ class Program:
 
 
 class Programs(NamedTuple):
-    """A call's programs: its run's (start, chunk), and its evaluation's, or None (no eval_fn)."""
+    """A call's programs: its run's (start, chunk, scan), and its evaluation's, or None (no eval_fn)."""
 
     run: Program
     evaluator: Program | None
@@ -155,7 +155,7 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
     def one_start(params, model_state, k, h, numbers):
         return _init(source.rule(h, numbers), params, source.delays(h, numbers), k, ex.n_sync, model_state, ex.inner)
 
-    def one_chunk(state, data, k, h, numbers, n):
+    def one_chunk(state, data, k, h, numbers, n=None):
         del k  # the run's keys were split once, at its start: they are in the state
         rule, delays = source.rule(h, numbers), source.delays(h, numbers)
         delay_key, model_key = (jax.random.wrap_key_data(w) for w in (state.keys.delay, state.keys.model))
@@ -185,8 +185,12 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
         step = lambda s, x: _step(c, s, x)
         # The carry: the server, and with an inner optimizer every worker's state of it too.
         first = state.server if state.workers is None else (state.server, state.workers)
-        carry, metrics = _dynamic_scan(step, first, schedule, n)
-        clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
+        if n is None:
+            carry, metrics = jax.lax.scan(step, first, schedule)
+            clock = schedule.time[-1]
+        else:
+            carry, metrics = _dynamic_scan(step, first, schedule, n)
+            clock = jax.lax.dynamic_index_in_dim(schedule.time, n - 1, keepdims=False)
         srv, workers = (carry, None) if state.workers is None else carry
         if _live_slot(rule, delays, ex):  # the pulls of the chunk recorded versions only: slot 0's weights are w_t
             srv = server.pull(srv, 0)
@@ -195,13 +199,24 @@ def make_program(key: Key, loss: loss_lib.Loss, source: Source, ex: Exchange, le
     if batched:  # the runs axis: keys and hparams per run; data, numbers and the trip count shared
         start = jax.vmap(one_start, in_axes=(None, None, 0, 0, None))
         chunk = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None, None))
+        scan = jax.vmap(one_chunk, in_axes=(0, None, 0, 0, None))
     else:
-        start, chunk = one_start, one_chunk
+        start, chunk, scan = one_start, one_chunk, one_chunk
     jitted = {
         "start": jax.jit(_named(start, PROGRAM_NAMES[0])),
         "chunk": jax.jit(_named(chunk, PROGRAM_NAMES[1]), donate_argnums=0),
+        "scan": jax.jit(_named(scan, PROGRAM_NAMES[3]), donate_argnums=0),
     }
     return Program(jitted)
+
+
+def scans_whole_chunks(platform: str) -> bool:
+    """Whether whole chunks run in the ``scan`` program, a loop of known trip count, beside the ``chunk`` program of a
+    run's last, shorter part: on accelerators (XLA:GPU reads the predicate of a loop of unknown trip count on the host
+    on every trip: a round trip per update). Not on a CPU, where the chunk program runs every chunk as fast
+    (benchmarks/README.md, session 24) and a run whose budget is not a whole number of chunks compiles one program
+    instead of two."""
+    return platform != "cpu"
 
 
 def make_evaluator(eval_fn, batched: bool, params: Any, model_state: Any) -> Program:

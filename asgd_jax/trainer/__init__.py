@@ -30,5 +30,6 @@ __all__ = ["PLAN", "TrainConfig", "TrainResult", "WorkerStats", "clear_cache", "
 
 
 def clear_cache() -> None:
-    """Forgets the trainer's programs kept in this process (its next run of each structure compiles again)."""
+    """Forgets the trainer's programs kept in this process (its next run of each structure compiles again; a run in
+    progress keeps the programs it holds, but may compile its computed pushes' program again)."""
     _cache.clear()

@@ -21,7 +21,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from asgd_jax import cache, checkpoint, errors, trace
+from asgd_jax import cache, checkpoint, errors, exchange, trace
 from asgd_jax.trainer.messages import Snapshot, StoreStatus, WorkerStats
 
 __all__ = [
@@ -234,14 +234,19 @@ class Evaluator:
     """Evaluates snapshots of the server's weights on its own device and thread, in the order they were taken."""
 
     def __init__(self, eval_fn: Callable, device: jax.Device, write: Callable[[dict], None]):
-        self.fn, self.device, self.write = _EVALUATIONS.get(eval_fn, lambda: jax.jit(eval_fn)), device, write
+        # An evaluation that carries its held-out split hands it over as an argument (asgd_jax.exchange.eval_parts):
+        # its program, kept per eval_fn, is then the same for another split of the same shapes, never a constant.
+        evaluate, data = exchange.eval_parts(eval_fn)
+        self.fn = _EVALUATIONS.get(eval_fn, lambda: jax.jit(evaluate))
+        self.data = jax.device_put(data, device)
+        self.device, self.write = device, write
         self.history: list[dict[str, float]] = []
         self._queue: queue.Queue = queue.Queue()
         self._t0 = time.perf_counter()
         self._thread: threading.Thread | None = None
 
     def warm_up(self, params, model_state) -> None:
-        jax.block_until_ready(self.fn(*jax.device_put((params, model_state), self.device)))
+        jax.block_until_ready(self.fn(*jax.device_put((params, model_state), self.device), self.data))
 
     def submit(self, snapshot: Snapshot) -> None:
         """Queues a :class:`~asgd_jax.trainer.messages.Snapshot` of the weights for evaluation."""
@@ -257,7 +262,7 @@ class Evaluator:
         while (item := self._queue.get()) is not None:
             version, params, model_state = item
             try:
-                out = jax.device_get(self.fn(*jax.device_put((params, model_state), self.device)))
+                out = jax.device_get(self.fn(*jax.device_put((params, model_state), self.device), self.data))
             except Exception as e:  # an evaluation must never take training down
                 log.error("evaluation at update %d failed: %r", version, e)
                 continue

@@ -1,11 +1,11 @@
 """The store's server state on its device and the programs that change it: one program per push.
 
 :class:`StoreState` holds the whole server state (weights, rule state, model state, every worker's backup and pulled
-version, the version; :mod:`asgd_jax.server`'s) on the store's device, and the jitted programs that read and write
-it: the exchange (a push applied and its worker's pull recorded, in one program, state donated), a pull, a backup's
-lookup, the weights for a snapshot. What crosses in and out is packed (:mod:`asgd_jax.packing`): one buffer per
-dtype whatever the leaf count. It is not thread-safe: its one user, :class:`asgd_jax.trainer.store.ParameterStore`,
-calls it under its lock.
+version, the version; :mod:`asgd_jax.server`'s) on the store's device; its :class:`Programs`, the jitted programs that
+read and write it (kept per process for their structure: stores of one structure share them), are the exchange (a push
+applied and its worker's pull recorded, in one program, state donated), a pull, a backup's lookup, the weights for a
+snapshot. What crosses in and out is packed (:mod:`asgd_jax.packing`): one buffer per dtype whatever the leaf count. It
+is not thread-safe: its one user, :class:`asgd_jax.trainer.store.ParameterStore`, calls it under its lock.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def programs(rule: Any, num_workers: int, params: Any, model_state: Any) -> tupl
         jax.tree.structure(tree),
         tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves(tree)),
     )
-    key = (structure, num_workers, avals(params), avals(model_state))
+    key = (structure, num_workers, avals(params), avals(model_state), avals(numbers))
 
     def build() -> Programs:
         rule_at = (lambda n: rule) if built is None else (lambda n: recipes.Recipe(structure, n).build())

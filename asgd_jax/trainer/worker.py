@@ -294,7 +294,7 @@ class Worker:
         self.inner: Any = None
         self._restored: list | None = None
         self._inner_init = _INNER_INIT.get(
-            (ex.inner, setup.layouts[0]), lambda: _inner_init(ex.inner, setup.layouts[0])
+            (ex.inner, setup.layouts[0]), lambda: _make_inner_init(ex.inner, setup.layouts[0])
         )
         # DyLU: the worker's own steps, placed once on its devices (an argument: one program for every worker).
         self._steps = () if setup.steps is None else (jax.device_put(np.int32(setup.steps), self.group.replicated),)
@@ -467,7 +467,7 @@ class Worker:
 _INNER_INIT = cache.Kept(8)  # a worker's inner optimizer's init, per optimizer and layout: compiled once a process
 
 
-def _inner_init(inner: str, layout: packing.Layout) -> Callable:
+def _make_inner_init(inner: str, layout: packing.Layout) -> Callable:
     return jax.jit(lambda packed: exchange.inner_optimizer(inner, 0.0).init(layout.unpack(packed)))
 
 
