@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import asgd_jax
 from asgd_jax import delays, studies
+from asgd_jax.experiments import optimal_time
 
 TIMES = delays.sqrt_times(6)  # 2, 2.41, 2.73, 3, 3.24, 3.45: the papers' 1 + sqrt(i)
 LAW = delays.Workers.with_times(TIMES)
@@ -300,9 +301,15 @@ def test_time_to_target_counts_only_a_crossing_within_the_budget():
 
 @pytest.fixture(scope="session")  # (not module: a worker interleaves other modules)
 def optimal_time_run():
+    """The study's nine methods on one cell, each with one of Ringmaster's thresholds and Rennala's batches (every
+    value is a structure, two programs to compile: the study's four each were 12 of its 20 arms, what the tests of
+    this fixture read is the same with one)."""
     study = studies.load("optimal_time")
     settings = dataclasses.replace(study.quick, workers=(4,), seeds=(0,), time_budget=40.0, target_error=0.05)
-    return study, studies.run(study, settings=settings, progress=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optimal_time, "THRESHOLDS", (4,))
+        patch.setattr(optimal_time, "BATCHES", (4,))
+        return study, studies.run(study, settings=settings, progress=False)
 
 
 @pytest.mark.xdist_group("optimal_time_run")  # one worker runs the study once
