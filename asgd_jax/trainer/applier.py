@@ -27,11 +27,12 @@ import contextlib
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asgd_jax.trainer.messages import BadPush, Computed, Ignored, Snapshot, StoreClosed, StoreTimes
 
 if TYPE_CHECKING:
+    from asgd_jax.trainer.state import Exchanged
     from asgd_jax.trainer.store import ParameterStore
 
 __all__ = ["Applier"]
@@ -135,10 +136,8 @@ class Applier:
             t0 = time.perf_counter()
             out = store.server.exchange(worker, payload, model_state)
             seconds = time.perf_counter() - t0
+            self._book(worker, pulled_version, out, round_info, inner)
             if out.ok:
-                store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
-                store.ledger.keep_inner(inner)
-                self._after_update(out.sound, out.answer)
                 result = (*store.reply(out.answer, packed), store.applied)
         if not out.ok:  # NaN/Inf: the exchange left the state as it was
             future.set_exception(self._reject_nonfinite(worker, pulled_version, round_info))
@@ -203,14 +202,19 @@ class Applier:
                         self.store.ledger.rejected += 1
                         raise
                     pulled_version = self.store.applied - out.staleness  # the store's own record
-                    if out.ok:
-                        self.store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
-                        self.store.ledger.keep_inner(inner)
-                        self._after_update(out.sound, out.answer)
+                    self._book(worker, pulled_version, out, round_info, inner)
                 if out.ok:
                     self.store.notify_version()
                 else:
                     self._reject_nonfinite(worker, pulled_version, round_info)  # counted; the worker went on
+
+    def _book(self, worker: int, pulled_version: int, out: Exchanged, round_info: tuple | None, inner: Any) -> None:
+        """Under the store's lock: an applied push (``out``: its exchange's outcome) into the books, then what follows
+        an update (a rejected one is the caller's: it answers differently, settled or not)."""
+        if out.ok:
+            self.store.ledger.applied_push(worker, pulled_version, out.staleness, round_info)
+            self.store.ledger.keep_inner(inner)
+            self._after_update(out.sound, out.answer)
 
     def _after_update(self, sound: bool, answer: tuple) -> None:
         """Under the lock, after an applied update: divergence, the budget, a checkpoint, a snapshot."""

@@ -268,11 +268,8 @@ def programs(rule: Any, num_workers: int, params: Any, model_state: Any) -> tupl
     built = recipes.of(rule)
     numbers = {} if built is None else built.numbers
     structure = rule if built is None else built.structure
-    avals = lambda tree: (
-        jax.tree.structure(tree),
-        tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves(tree)),
-    )
-    key = (structure, num_workers, avals(params), avals(model_state), avals(numbers))
+    shapes = packing.Layout.of  # (a tree's structure, shapes and dtypes: hashable)
+    key = (structure, num_workers, shapes(params), shapes(model_state), shapes(numbers))
 
     def build() -> Programs:
         rule_at = (lambda n: rule) if built is None else (lambda n: recipes.Recipe(structure, n).build())
@@ -302,11 +299,11 @@ class StoreState:
             state = self.programs.init(self.numbers, params, model_state)
         self._ids = [jax.device_put(np.int32(w), device) for w in range(num_workers)]  # placed once, not per push
         self._sharding = jax.sharding.SingleDeviceSharding(device)
-        self.stateful = model_state is not None
+        self.stateful = self.programs.stateful
         # Pushes and answers cross as packed buffers (one per dtype), whatever the leaf count (asgd_jax.packing).
         self.layout, self.model_state_layout = self.programs.layout, self.programs.model_state_layout
-        self._structure: Any = jax.tree.structure(state.params)
-        self._leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
+        self._structure: Any = self.layout.treedef
+        self._leaves = [(shape, self.layout.dtypes[k]) for k, _, _, shape in self.layout.leaves]
         self.sends = server.has_pull(rule)  # a pull-side rule answers with a look-ahead, not the server's weights
         self.stored: Stored = self.programs.of(jax.device_put(state, device))
 
