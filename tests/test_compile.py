@@ -248,6 +248,32 @@ def test_a_models_initial_weights_are_the_same_bits_as_with_xlas_defaults(name, 
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        asgd_jax.Plan(delays.Workers(3, compute_time="lognormal"), batch_size=B, num_updates=40, chunk=20),
+        asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=40, chunk=20, n_sync=4, push="accumulate"),
+    ],
+    ids=["lognormal", "n_sync4"],
+)
+def test_a_runs_start_compiled_light_on_a_cpu_gives_the_run_of_xlas_defaults(plan, monkeypatch):
+    """The start, once per run, compiles with CPU_START_OPTIONS; the run is the one XLA's defaults give: the same
+    weights, losses and staleness bit for bit, the clock at most a last bit apart (a first compute time drawn as a
+    sum of n_sync draws)."""
+    assert asgd_jax.simulator.programs.CPU_START_OPTIONS  # (what the second run below does without)
+    run = lambda: asgd_jax.simulate(lsq_loss, asgd_jax.dc_asgd(0.01, 2.0), jnp.asarray(W0), DATA, plan, progress=False)
+    asgd_jax.simulator.clear_cache()
+    light = run()
+    monkeypatch.setattr(asgd_jax.simulator.programs, "CPU_START_OPTIONS", {})
+    asgd_jax.simulator.clear_cache()
+    plain = run()
+    np.testing.assert_array_equal(light.params, plain.params)
+    for name in ("loss", "staleness"):
+        np.testing.assert_array_equal(light.metrics[name], plain.metrics[name])
+    np.testing.assert_allclose(light.metrics["time"], plain.metrics["time"], rtol=1e-6)
+    asgd_jax.simulator.clear_cache()
+
+
 def test_a_models_initialisation_also_runs_inside_a_callers_program():
     """`jit`, `vmap` and `eval_shape` trace the initialisation into their own program (XLA's options are a top-level
     program's); the weights are those of the call outside."""
