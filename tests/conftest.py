@@ -56,10 +56,17 @@ def no_network(monkeypatch):
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """The units of work in the order :func:`pytest_collection_modifyitems` gives them: xdist would otherwise order
+    them by their number of tests, and the Ray group (21 tests, the longest unit) started two thirds into the run."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup`` a module is one unit of work: its tests share a worker, so a program, a jitted
     function or a module fixture is built once rather than in each worker. The longest unit, the Ray group (a process
-    per actor), goes first so that it never ends the run alone."""
+    per actor), goes first so that it never ends the run alone (:func:`pytest_configure`)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
