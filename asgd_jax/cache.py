@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-__all__ = ["ENV", "Kept", "clear", "data_folder", "enable", "folder"]
+__all__ = ["ENV", "Kept", "clear", "compile_with", "data_folder", "enable", "folder"]
 
 ENV = "ASGD_JAX_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "")
@@ -91,6 +91,22 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return where
+
+
+def compile_with(lowered: Any, options: Mapping[str, Any] | None) -> Any:
+    """``lowered.compile(options)`` (XLA options for one program: a model's initialisation, a run's start, compiled
+    lighter on a CPU), with XLA's defaults where this jaxlib does not know one of them: a lighter compilation is
+    worth having, never worth a failure."""
+    import jax
+
+    if not options:
+        return lowered.compile()
+    try:
+        return lowered.compile(dict(options))
+    except jax.errors.JaxRuntimeError as e:
+        if "no such compile option" not in str(e).lower():
+            raise
+        return lowered.compile()
 
 
 def clear() -> None:

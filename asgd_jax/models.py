@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from asgd_jax import errors, preprocess
+from asgd_jax import cache, errors, preprocess
 from asgd_jax import loss as loss_lib
 
 __all__ = [
@@ -279,7 +279,7 @@ class Model:
         program = self._programs.get(signature)
         if program is None:
             options = dict(CPU_INIT_OPTIONS) if platform == "cpu" else None
-            program = self._programs[signature] = self._init.lower(key).compile(options)
+            program = self._programs[signature] = cache.compile_with(self._init.lower(key), options)
         return program
 
     def apply(

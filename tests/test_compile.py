@@ -274,6 +274,29 @@ def test_a_runs_start_compiled_light_on_a_cpu_gives_the_run_of_xlas_defaults(pla
     asgd_jax.simulator.clear_cache()
 
 
+def test_an_xla_option_this_jaxlib_does_not_know_falls_back_to_xlas_defaults(monkeypatch):
+    """The lighter options of a model's initialisation and a run's start are XLA debug options: a jaxlib that drops
+    one compiles those programs with its defaults instead of failing every run."""
+    unknown = {"xla_an_option_no_jaxlib_has": True}
+    plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
+    run = lambda: asgd_jax.simulate(lsq_loss, asgd_jax.asgd(0.05), jnp.asarray(W0), DATA, plan, progress=False)
+    make = lambda: asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1))
+    _without_cpu_options(monkeypatch)
+    monkeypatch.setattr(asgd_jax.simulator.programs, "CPU_START_OPTIONS", {})
+    asgd_jax.simulator.clear_cache()
+    plain_run, plain_init = run(), make().init(jax.random.key(1))
+    monkeypatch.setattr(asgd_jax.models, "CPU_INIT_OPTIONS", unknown)
+    monkeypatch.setattr(asgd_jax.simulator.programs, "CPU_START_OPTIONS", unknown)
+    asgd_jax.simulator.clear_cache()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):  # (what is caught)
+        jax.jit(lambda x: x + 1).lower(1.0).compile(unknown)
+    for a, b in zip(jax.tree.leaves(run().state), jax.tree.leaves(plain_run.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(make().init(jax.random.key(1))), jax.tree.leaves(plain_init), strict=True):
+        np.testing.assert_array_equal(a, b)
+    asgd_jax.simulator.clear_cache()
+
+
 def test_a_models_initialisation_also_runs_inside_a_callers_program():
     """`jit`, `vmap` and `eval_shape` trace the initialisation into their own program (XLA's options are a top-level
     program's); the weights are those of the call outside."""

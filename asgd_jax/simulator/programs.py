@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from asgd_jax import cache, errors, exchange, server
 from asgd_jax import delays as delays_lib
-from asgd_jax import errors, exchange, server
 from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.simulator.state import SimState
@@ -110,7 +110,7 @@ class Program:
         started = time.perf_counter()
         try:
             options = self.cpu_options.get(name) if _platform(args) == "cpu" else None
-            compiled = self.jitted[name].lower(*args).compile(None if options is None else dict(options))
+            compiled = cache.compile_with(self.jitted[name].lower(*args), options)
             with self._lock:
                 self._compiled[key] = compiled
         finally:
