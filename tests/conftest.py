@@ -55,7 +55,6 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """The units of work in the order :func:`pytest_collection_modifyitems` gives them: xdist would otherwise order
     them by their number of tests, and the Ray group (21 tests, the longest unit) started two thirds into the run."""
@@ -63,6 +62,7 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own, which names each test's group from these marks)
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup`` a module is one unit of work: its tests share a worker, so a program, a jitted
     function or a module fixture is built once rather than in each worker. The longest unit, the Ray group (a process

@@ -248,13 +248,26 @@ def test_a_models_initial_weights_are_the_same_bits_as_with_xlas_defaults(name, 
         np.testing.assert_array_equal(a, b)
 
 
+def _options_seen(monkeypatch) -> list:
+    """Records the XLA options of every program compiled through ``asgd_jax.cache.compile_with``: (name, options)."""
+    seen, compile_with = [], asgd_jax.cache.compile_with
+
+    def recording(lowered, options):
+        seen.append((lowered.as_text().split("module @", 1)[1].split()[0], options))  # (the program's name)
+        return compile_with(lowered, options)
+
+    monkeypatch.setattr(asgd_jax.cache, "compile_with", recording)
+    return seen
+
+
 @pytest.mark.parametrize(
     "plan",
     [
+        asgd_jax.Plan(delays.Workers(8), batch_size=B, num_updates=40, chunk=20),
         asgd_jax.Plan(delays.Workers(3, compute_time="lognormal"), batch_size=B, num_updates=40, chunk=20),
         asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=40, chunk=20, n_sync=4, push="accumulate"),
     ],
-    ids=["lognormal", "n_sync4"],
+    ids=["exponential", "lognormal", "n_sync4"],
 )
 def test_a_runs_start_compiled_light_on_a_cpu_gives_the_run_of_xlas_defaults(plan, monkeypatch):
     """The start, once per run, compiles with CPU_START_OPTIONS; the run is the one XLA's defaults give: the same
@@ -263,7 +276,13 @@ def test_a_runs_start_compiled_light_on_a_cpu_gives_the_run_of_xlas_defaults(pla
     assert asgd_jax.simulator.programs.CPU_START_OPTIONS  # (what the second run below does without)
     run = lambda: asgd_jax.simulate(lsq_loss, asgd_jax.dc_asgd(0.01, 2.0), jnp.asarray(W0), DATA, plan, progress=False)
     asgd_jax.simulator.clear_cache()
+    seen = _options_seen(monkeypatch)
     light = run()
+    options = dict(seen)  # the start with the options, the updates with XLA's defaults
+    assert options == {
+        "jit_simulator_start": asgd_jax.simulator.programs.CPU_START_OPTIONS,
+        "jit_simulator_chunk": None,
+    }
     monkeypatch.setattr(asgd_jax.simulator.programs, "CPU_START_OPTIONS", {})
     asgd_jax.simulator.clear_cache()
     plain = run()
@@ -288,12 +307,14 @@ def test_an_xla_option_this_jaxlib_does_not_know_falls_back_to_xlas_defaults(mon
     monkeypatch.setattr(asgd_jax.models, "CPU_INIT_OPTIONS", unknown)
     monkeypatch.setattr(asgd_jax.simulator.programs, "CPU_START_OPTIONS", unknown)
     asgd_jax.simulator.clear_cache()
+    seen = _options_seen(monkeypatch)
     with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):  # (what is caught)
         jax.jit(lambda x: x + 1).lower(1.0).compile(unknown)
     for a, b in zip(jax.tree.leaves(run().state), jax.tree.leaves(plain_run.state), strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(make().init(jax.random.key(1))), jax.tree.leaves(plain_init), strict=True):
         np.testing.assert_array_equal(a, b)
+    assert [name for name, options in seen if options == unknown] == ["jit_simulator_start", "jit__lambda"]
     asgd_jax.simulator.clear_cache()
 
 

@@ -269,7 +269,7 @@ def test_a_killed_store_actor_resumes_from_its_checkpoint_with_the_adamw_inner_s
     # Killed, the store actor comes back from its last checkpoint (one every 10 updates) and the run goes on to its
     # budget. Each worker actor pushes its AdamW state with its delta; the store actor keeps and checkpoints it, and
     # every worker re-syncs to the state it had there: the whole trace replays in the simulator, whose workers never
-    # lost theirs. (A plain rule's store comes back the same way: the million-weights test below.)
+    # lost theirs. (A plain rule's store comes back too: the million-weights test below, without a replay.)
     sync = dict(n_sync=3, push="delta", local_lr=0.02, inner="adamw")
     diloco = asgd_jax.rules.diloco(0.5)
     thread, box = _train_in_thread(the_rule=diloco, num_updates=90, out=str(tmp_path), checkpoint_every=10, **sync)

@@ -40,9 +40,10 @@ CPU_START_OPTIONS: Mapping[str, Any] = {"xla_backend_optimization_level": 0, "xl
 """XLA's options for a run's start on a CPU (the program that makes the first state, once per run): LLVM without
 optimisation and XLA's older fusion emitters compile it ~3x faster (the ``mlp`` 0.19 s instead of 0.51-0.62, the
 ``cnn`` 0.20 s instead of 0.63-0.66), and it runs as fast (11M weights, eight backups: 153 ms against 174). The
-state's weights, backups, rule state and keys are the same bits as with XLA's defaults; a first compute time drawn
-as a sum (``n_sync`` > 1) may round apart in its last bit (``tests/test_compile.py``). The update and evaluation
-programs keep XLA's defaults: they run for the whole run."""
+state's weights, backups, rule state and keys are the same bits as with XLA's defaults; a first compute time (drawn
+through a logarithm, or as a sum of ``n_sync`` draws) may round apart in its last bit, and with it a run's clock, not
+its updates (``tests/test_compile.py``). The update and evaluation programs keep XLA's defaults: they run for the
+whole run."""
 COMPILE_EVENT = "/asgd_jax/simulator/compile_duration"
 """A :mod:`jax.monitoring` duration event: one program compiled (or loaded from the persistent cache), on any thread."""
 WAIT_EVENT = "/asgd_jax/simulator/compile_wait_duration"
@@ -109,7 +110,8 @@ class Program:
             event.wait()  # another thread is compiling it
         started = time.perf_counter()
         try:
-            options = self.cpu_options.get(name) if _platform(args) == "cpu" else None
+            options = self.cpu_options.get(name)
+            options = options if options is not None and _platform(args) == "cpu" else None
             compiled = cache.compile_with(self.jitted[name].lower(*args), options)
             with self._lock:
                 self._compiled[key] = compiled
