@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -93,27 +94,39 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     return where
 
 
+_UNKNOWN_OPTIONS: set[tuple] = set()  # option sets this jaxlib refused: compiled with XLA's defaults from then on
+
+
 def compile_with(lowered: Any, options: Mapping[str, Any] | None) -> Any:
     """``lowered.compile(options)`` (XLA options for one program: a model's initialisation, a run's start, compiled
     lighter on a CPU), with XLA's defaults where this jaxlib does not know one of them: a lighter compilation is
-    worth having, never worth a failure."""
+    worth having, never worth a failure. Said once per option set (a ``UserWarning``), not tried again."""
     import jax
 
-    if not options:
+    key = tuple(sorted((options or {}).items()))
+    if not key or key in _UNKNOWN_OPTIONS:
         return lowered.compile()
     try:
-        return lowered.compile(dict(options))
+        return lowered.compile(dict(key))
     except jax.errors.JaxRuntimeError as e:
         if "no such compile option" not in str(e).lower():
             raise
+        _UNKNOWN_OPTIONS.add(key)
+        warnings.warn(
+            f"this jaxlib does not know an XLA option of {dict(key)} ({e}); asgd_jax compiles those programs with "
+            "XLA's defaults instead (the same results, a slower compilation).",
+            stacklevel=2,
+        )
         return lowered.compile()
 
 
 def clear() -> None:
     """Forgets everything every :class:`Kept` holds (the trainer's programs: its next run of each structure compiles
-    again; the simulator's are :func:`asgd_jax.simulator.clear_cache`'s)."""
+    again; the simulator's are :func:`asgd_jax.simulator.clear_cache`'s) and the XLA options :func:`compile_with`
+    found this jaxlib does not know."""
     for kept in list(_EVERY):
         kept.clear()
+    _UNKNOWN_OPTIONS.clear()
 
 
 class Kept:
