@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-__all__ = ["ENV", "Kept", "clear", "compile_with", "data_folder", "enable", "folder"]
+__all__ = ["ENV", "Kept", "clear", "compile_with", "data_folder", "enable", "folder", "platform_of"]
 
 ENV = "ASGD_JAX_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "")
@@ -92,6 +92,18 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return where
+
+
+def platform_of(tree: Any) -> str:
+    """The platform a program for ``tree``'s arrays runs on: that of the first placed array's devices, else JAX's
+    default backend (what decides a program's per-platform options and form)."""
+    import jax
+
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
 
 
 _UNKNOWN_OPTIONS: set[tuple] = set()  # option sets this jaxlib refused: compiled with XLA's defaults from then on

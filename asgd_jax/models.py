@@ -274,11 +274,10 @@ class Model:
     def _init_program(self, key: Any) -> Callable:
         """The initialisation compiled for ``key``'s shape, dtype and device (on a CPU: :data:`CPU_INIT_OPTIONS`)."""
         sharding = getattr(key, "sharding", None)  # a key on another device gets a program (and weights) there
-        platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.default_backend()
         signature = (np.shape(key), str(key.dtype), sharding)
         program = self._programs.get(signature)
         if program is None:
-            options = dict(CPU_INIT_OPTIONS) if platform == "cpu" else None
+            options = dict(CPU_INIT_OPTIONS) if cache.platform_of(key) == "cpu" else None
             program = self._programs[signature] = cache.compile_with(self._init.lower(key), options)
         return program
 

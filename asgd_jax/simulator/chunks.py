@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from asgd_jax import cache, errors, exchange, interrupts
 from asgd_jax import checkpoint as ckpt
-from asgd_jax import errors, exchange, interrupts
 from asgd_jax.plan import Plan
 from asgd_jax.simulator import programs as programs_lib
 from asgd_jax.simulator.programs import Program as _Program
@@ -112,9 +112,7 @@ def compile_updates(programs: _Programs, c: Call) -> None:
 
 def _scanned(c: Call) -> bool:
     """Whether the call's whole chunks run in the scan program, by the platform of its keys (placed on its devices)."""
-    devices = getattr(c.keys, "devices", None)
-    platform = next(iter(devices())).platform if callable(devices) else jax.default_backend()
-    return programs_lib.scans_whole_chunks(platform)
+    return programs_lib.scans_whole_chunks(cache.platform_of(c.keys))
 
 
 def compile_eval(programs: _Programs, c: Call) -> None:

@@ -111,7 +111,7 @@ class Program:
         started = time.perf_counter()
         try:
             options = self.cpu_options.get(name)
-            options = options if options is not None and _platform(args) == "cpu" else None
+            options = options if options is not None and cache.platform_of(args) == "cpu" else None
             compiled = cache.compile_with(self.jitted[name].lower(*args), options)
             with self._lock:
                 self._compiled[key] = compiled
@@ -143,15 +143,6 @@ class Programs(NamedTuple):
 
     def evaluate(self, state: SimState, eval_data: Any) -> dict[str, jax.Array]:
         return self.evaluator.call("eval", state.server.params, state.server.model_state, eval_data)
-
-
-def _platform(args: Any) -> str:
-    """The platform a program for ``args`` runs on: that of the first placed argument's devices, else the default."""
-    for x in jax.tree.leaves(args):
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None:
-            return next(iter(sharding.device_set)).platform
-    return jax.default_backend()
 
 
 def _aval_key(args: Any) -> Hashable:
