@@ -26,7 +26,7 @@ class DelayedNesterovState(NamedTuple):
     buffer: optax.Updates
 
 
-@recipe
+@recipe(elementwise=True)
 def delayed_nesterov(
     learning_rate: ScalarOrSchedule,
     *,
@@ -84,7 +84,8 @@ def delayed_nesterov(
         flush = count % jnp.asarray(buffer_size, jnp.int32) == 0
         c = jnp.asarray(activation, jnp.float32)
         buffer = jax.tree.map(jnp.add, state.buffer, updates)
-        m = jax.tree.map(lambda m, d: jnp.where(flush, momentum * m + d / n, m), state.momentum, buffer)
+        # (in the momentum's own dtype: a bfloat16 weight's would turn float32, and a scan's carry may not change type)
+        m = jax.tree.map(lambda m, d: jnp.where(flush, momentum * m + d / n, m).astype(m.dtype), state.momentum, buffer)
         weight = jnp.where(flush, 1.0 - c * n + c, c) * momentum
 
         def step(m, g):
