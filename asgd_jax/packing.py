@@ -78,19 +78,54 @@ class Layout:
         """``tree`` packed into host buffers (NumPy; a leaf on a device is copied to the host once)."""
         return self._pack(jax.device_get(tree), np)
 
-    def _pack(self, tree: Any, xp: Any) -> Packed:
+    def _pack(self, tree: Any, xp: Any, lead: tuple[int, ...] = ()) -> Packed:
         leaves = jax.tree.leaves(tree)
         groups: list[list[Any]] = [[] for _ in self.dtypes]
         for x, (k, _, size, _) in zip(leaves, self.leaves, strict=True):
-            groups[k].append(xp.reshape(xp.asarray(x, self.dtypes[k]), (size,)))
-        return tuple(g[0] if len(g) == 1 else xp.concatenate(g) for g in groups)
+            groups[k].append(xp.reshape(xp.asarray(x, self.dtypes[k]), (*lead, size)))
+        return tuple(g[0] if len(g) == 1 else xp.concatenate(g, axis=-1) for g in groups)
 
     def unpack(self, buffers: Packed) -> Any:
         """The pytree of packed ``buffers`` (inside a program: slices, fused into what reads them)."""
+        return self._unpack(buffers)
+
+    def _unpack(self, buffers: Packed, lead: tuple[int, ...] = ()) -> Any:
         return jax.tree.unflatten(
             self.treedef,
-            [jax.lax.slice_in_dim(buffers[k], o, o + n).reshape(shape) for k, o, n, shape in self.leaves],
+            [
+                jax.lax.slice_in_dim(buffers[k], o, o + n, axis=len(lead)).reshape((*lead, *shape))
+                for k, o, n, shape in self.leaves
+            ],
         )
+
+    def pack_within(self, tree: Any) -> Any:
+        """``tree`` with every subtree shaped like this layout's tree packed (the same structure, each leaf of the
+        layout's dtype and shape after the same leading axes, which are kept: a rule's moment of the weights, a
+        per-worker table of them); the rest as it is. An elementwise rule's state of the weights becomes its state of
+        the weights packed (:func:`asgd_jax.recipes.elementwise`). Inside a program."""
+        packed = lambda x: self._pack(x, jnp, lead) if (lead := self._lead(x)) is not None else x
+        return jax.tree.map(packed, tree, is_leaf=lambda x: self._lead(x) is not None)
+
+    def unpack_within(self, tree: Any, like: Any) -> Any:
+        """The inverse of :meth:`pack_within`: ``tree`` is ``pack_within(x)`` for an ``x`` shaped like ``like``
+        (arrays or ``jax.ShapeDtypeStruct``); returns ``x``. Inside a program."""
+        unpacked = lambda u, x: self._unpack(x, lead) if (lead := self._lead(u)) is not None else x
+        return jax.tree.map(unpacked, like, tree, is_leaf=lambda x: self._lead(x) is not None)
+
+    def _lead(self, tree: Any) -> tuple[int, ...] | None:
+        """The leading axes before every leaf's own shape when ``tree`` is shaped like this layout's tree, or None."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if treedef != self.treedef:
+            return None
+        lead = None
+        for x, (k, _, _, shape) in zip(leaves, self.leaves, strict=True):
+            full = tuple(np.shape(x))
+            if getattr(x, "dtype", None) != self.dtypes[k] or full[len(full) - len(shape) :] != shape:
+                return None
+            if lead not in (None, full[: len(full) - len(shape)]):
+                return None
+            lead = full[: len(full) - len(shape)]
+        return lead
 
     def unpack_host(self, buffers: Packed) -> Any:
         """The pytree of packed host ``buffers``, each leaf a view of its buffer (no copy)."""

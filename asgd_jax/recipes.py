@@ -38,10 +38,12 @@ import numpy as np
 
 from asgd_jax.errors import ConfigError
 
-__all__ = ["Recipe", "describe", "of", "recipe"]
+__all__ = ["Recipe", "describe", "elementwise", "of", "recipe"]
 
 # A rule's update function -> the recipe that built it. Keyed weakly: a rule that is gone takes its entry with it.
 _RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The factories declared elementwise (``recipe(elementwise=True)``).
+_ELEMENTWISE: set[Callable] = set()
 
 
 class _NotARecipe(Exception):
@@ -152,7 +154,11 @@ def _text(x: Any) -> str:
 
 
 def recipe(
-    factory: Callable | None = None, *, numbers: tuple[str, ...] = ("learning_rate",), static: tuple[str, ...] = ()
+    factory: Callable | None = None,
+    *,
+    numbers: tuple[str, ...] = ("learning_rate",),
+    static: tuple[str, ...] = (),
+    elementwise: bool = False,
 ) -> Callable:
     """Decorates a rule (or schedule) factory so that what it returns carries its :class:`Recipe`.
 
@@ -162,6 +168,11 @@ def recipe(
       numbers: arguments that are numbers even when given as ints (the learning rate); other ints are structure.
       static: arguments that are structure even when given as arrays (a concrete choice the program should fold,
         such as :func:`asgd_jax.rules.one_of`'s index).
+      elementwise: every element of what the rule makes (its update, its new state, its pull) is a function of the
+        same element of its inputs and of scalars alone (no reduction over a leaf, no leaf's shape or place in the
+        tree): then it may run on the weights packed into one buffer per dtype and give the same bits
+        (:func:`elementwise`; the parameter store does, :mod:`asgd_jax.trainer.state`). A schedule touches no
+        element: declare it so. ``tests/test_rules_registry.py`` holds every registered rule to its word.
 
     Example:
       >>> import optax, asgd_jax
@@ -172,8 +183,10 @@ def recipe(
       True
     """
     if factory is None:
-        return functools.partial(recipe, numbers=numbers, static=static)
+        return functools.partial(recipe, numbers=numbers, static=static, elementwise=elementwise)
     signature = inspect.signature(factory)
+    if elementwise:
+        _ELEMENTWISE.add(factory)
 
     @functools.wraps(factory)
     def make(*args, **kwargs):
@@ -192,6 +205,35 @@ def recipe(
 
     make.is_recipe = True
     return make
+
+
+def elementwise(rule: Any) -> bool:
+    """Whether ``rule`` was built by a recipe declared elementwise (``recipe(elementwise=True)``) from arguments that
+    are all numbers, plain values, schedules, or rules themselves elementwise: applied to the weights packed into one
+    buffer per dtype (a tuple of 1-D buffers) it gives the bits it gives leaf by leaf. ``False`` for a rule composed by
+    hand (no recipe: nothing is known of it).
+
+    Example:
+      >>> import asgd_jax
+      >>> elementwise(asgd_jax.dc_asgd(0.1, adaptive=True)), elementwise(asgd_jax.rules.get("randk_asgd", 0.1))
+      (True, False)
+    """
+    made = of(rule)
+    return made is not None and _elementwise(made.structure)
+
+
+def _elementwise(structure: Hashable) -> bool:
+    factory, arguments = structure
+    return factory in _ELEMENTWISE and all(_part_elementwise(s) for _, s in arguments)
+
+
+def _part_elementwise(part: Hashable) -> bool:
+    kind = part[0]
+    if kind == "made":
+        return _elementwise(part[1])
+    if kind == "seq":
+        return all(_part_elementwise(s) for s in part[2])
+    return kind == "number" or not (kind == "value" and _is_rule(part[1]))
 
 
 def _is_rule(value: Any) -> bool:

@@ -27,13 +27,13 @@ __all__ = ["constant", "cosine", "piecewise", "warmed_up"]
 Number = float | jax.Array
 
 
-@recipe(numbers=("value",))
+@recipe(numbers=("value",), elementwise=True)
 def constant(value: Number) -> Callable[[jax.Array], jax.Array]:
     """``value`` at every update (``optax.constant_schedule``)."""
     return lambda count: value
 
 
-@recipe(numbers=("init_value", "boundaries", "factor"))
+@recipe(numbers=("init_value", "boundaries", "factor"), elementwise=True)
 def piecewise(init_value: Number, boundaries: Sequence[Number], factor: Number = 0.1) -> Callable:
     r"""``init_value``, multiplied by ``factor`` at each of ``boundaries`` (update counts, increasing): DC-ASGD's
     step decay. The same arithmetic as ``optax.piecewise_constant_schedule(init_value, {b: factor for b in
@@ -62,7 +62,7 @@ def piecewise(init_value: Number, boundaries: Sequence[Number], factor: Number =
     return schedule
 
 
-@recipe(numbers=("init_value", "decay_steps", "alpha"))
+@recipe(numbers=("init_value", "decay_steps", "alpha"), elementwise=True)
 def cosine(init_value: Number, decay_steps: Number, alpha: Number = 0.0) -> Callable:
     r"""Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` updates, then flat: the same
     arithmetic as ``optax.cosine_decay_schedule(init_value, decay_steps, alpha)``.
@@ -83,7 +83,7 @@ def cosine(init_value: Number, decay_steps: Number, alpha: Number = 0.0) -> Call
     return schedule
 
 
-@recipe(numbers=("steps",))
+@recipe(numbers=("steps",), elementwise=True)
 def warmed_up(schedule: Callable, steps: Number) -> Callable:
     """``schedule`` times ``min(1, (count + 1) / steps)``: a linear warm-up over the first ``steps`` updates (Goyal et
     al. 2017's gradual warm-up), then ``schedule`` itself.

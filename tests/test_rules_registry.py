@@ -12,10 +12,11 @@ import pkgutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import asgd_jax
-from asgd_jax import recipes, rules
+from asgd_jax import packing, recipes, rules
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.arange(3, dtype=jnp.bfloat16)}
 GRADS = jax.tree.map(lambda p: (0.5 - p).astype(p.dtype), PARAMS)
@@ -37,6 +38,8 @@ def test_a_registered_rules_first_step_without_staleness_is_finite_and_shaped_li
     updates, new_state = rule.update(GRADS, state, PARAMS, **extra)
     assert jax.tree.structure(updates) == jax.tree.structure(PARAMS)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    kind = lambda tree: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+    assert kind(new_state) == kind(state)  # (a scan carries it: a bfloat16 weight's moment stays bfloat16)
     for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(PARAMS), strict=True):
         assert (u.shape, u.dtype) == (p.shape, p.dtype)
         assert bool(jnp.isfinite(u.astype(jnp.float32)).all())
@@ -111,3 +114,48 @@ def test_the_top_level_rule_names_are_aliases_of_asgd_jax_rules():
     assert {"asgd", "dc_asgd", "scale_by_delay_compensation", "ScaleByDelayCompensationState"} <= set(aliased)
     for name in aliased:
         assert getattr(asgd_jax, name) is getattr(rules, name), name
+
+
+# Leaves of one element, of a vector's tail (7, 9, 33) and a bfloat16 one: where XLA:CPU might compute a leaf
+# otherwise than the same elements among others (a rule that reduces over a table of workers did, on a 1-element leaf).
+MIXED = {
+    "a": jnp.linspace(-1.0, 1.0, 7),
+    "b": jnp.full((1,), 0.25),
+    "c": jnp.sin(jnp.arange(33.0)).reshape(3, 11),
+    "d": jnp.cos(jnp.arange(9.0)).astype(jnp.bfloat16),
+}
+DECLARED = [n for n in rules.names() if recipes.elementwise(_built(n, 0.1))]
+
+
+def test_the_rules_declared_elementwise_are_those_of_plain_arithmetic():
+    """What the store applies to the packed weights: every rule but those that reduce (a compressor's top-k or
+    random draw, a mean over a table of workers) or whose Adam-like arithmetic XLA:CPU rounds otherwise in a longer
+    buffer (FADAS, CGAD: a last bit at a buffer's ends)."""
+    assert set(rules.names()) - set(DECLARED) == {
+        "fadas", "cgad", "gap_aware", "ia2sgd", "malenia", "ringleader", "topk_asgd", "randk_asgd"
+    }  # fmt: skip
+    assert not recipes.elementwise(optax.chain(optax.sgd(0.1)))  # composed by hand: nothing known
+    assert recipes.elementwise(rules.one_of(0, [asgd_jax.asgd(0.1), asgd_jax.dc_asgd(0.1)]))
+    assert not recipes.elementwise(rules.one_of(0, [asgd_jax.asgd(0.1), rules.get("topk_asgd", 0.1, num_workers=2)]))
+    assert not recipes.elementwise(rules.chained_before(optax.add_decayed_weights(0.1), asgd_jax.asgd(0.1)))
+
+
+@pytest.mark.parametrize("name", DECLARED)
+def test_a_rule_declared_elementwise_gives_the_same_bits_on_the_packed_weights(name):
+    """Five exchanges, three workers, every staleness the server makes: leaf by leaf, and on the weights packed into
+    one buffer per dtype with the rule's state packed alike (``Layout.pack_within``), the same bits."""
+    rule, layout = _built(name, 0.1), packing.Layout.of(MIXED)
+    step = jax.jit(lambda s, g, w: asgd_jax.server.exchange(rule, s, w, g)[0])
+    trees, packed = asgd_jax.server.init(rule, MIXED, 3), asgd_jax.server.init(rule, layout.pack(MIXED), 3)
+    for i in range(5):
+        grads = jax.tree.map(lambda x, i=i: (jnp.cos(x.astype(jnp.float32) * (i + 2)) - 0.3).astype(x.dtype), MIXED)
+        trees, packed = step(trees, grads, jnp.int32(i % 3)), step(packed, layout.pack(grads), jnp.int32(i % 3))
+        want = (
+            layout.pack(trees.params),
+            layout.pack_within(trees.opt_state),
+            jax.vmap(layout.pack)(trees.backup_params),
+        )
+        same = jax.tree.map(np.array_equal, want, (packed.params, packed.opt_state, packed.backup_params))
+        assert all(jax.tree.leaves(same)), (i, same)
+    back = layout.unpack_within(packed.opt_state, trees.opt_state)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, back, trees.opt_state)))

@@ -13,7 +13,7 @@ from asgd_jax.rules import common
 from asgd_jax.rules.common import ScalarOrSchedule
 
 
-@recipe
+@recipe(elementwise=True)
 def asgd(
     learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
 ) -> optax.GradientTransformationExtraArgs:

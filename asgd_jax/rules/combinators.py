@@ -18,7 +18,7 @@ from asgd_jax.recipes import recipe
 from asgd_jax.rules.common import PullRule
 
 
-@recipe(numbers=("rate",))
+@recipe(numbers=("rate",), elementwise=True)
 def weight_decayed(rule: Any, rate: float | jax.Array) -> Any:
     r"""``rule`` applied to the regularised gradient :math:`g + \text{rate} \cdot w_t`: L2 weight decay on the server's
     current weights, chained before the rule (``optax.chain(optax.add_decayed_weights(rate), rule)``). DC-ASGD then
@@ -55,7 +55,9 @@ def chained_before(first: Any, rule: Any) -> Any:
     return PullRule(chained.init, chained.update, lambda params, state, worker: rule.pull(params, state[1], worker))
 
 
-@recipe(static=("index",))  # a concrete index picks the rule at compile time; a traced one (a sweep's) at run time
+@recipe(
+    static=("index",), elementwise=True
+)  # a concrete index picks the rule at compile time; a traced one (a sweep's) at run time
 def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTransformationExtraArgs | PullRule:
     """The rule ``choices[index]``, with ``index`` possibly traced: a sweep runs different rules in one program.
 

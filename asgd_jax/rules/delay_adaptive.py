@@ -16,7 +16,7 @@ from asgd_jax.rules import common
 from asgd_jax.rules.common import ScalarOrSchedule
 
 
-@recipe
+@recipe(elementwise=True)
 def scale_by_delay_adaptive(num_workers: int | jax.Array) -> optax.GradientTransformationExtraArgs:
     r"""Scales the step by :math:`\min(1, M / \tau)`: full steps unless the delay exceeds the worker count.
 
@@ -42,7 +42,7 @@ def scale_by_delay_adaptive(num_workers: int | jax.Array) -> optax.GradientTrans
     return common.scale_by(factor)
 
 
-@recipe
+@recipe(elementwise=True)
 def delay_adaptive_sgd(
     learning_rate: ScalarOrSchedule,
     num_workers: int | jax.Array,

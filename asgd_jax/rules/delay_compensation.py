@@ -30,7 +30,7 @@ class ScaleByDelayCompensationState(NamedTuple):
     mean_square: optax.Updates | None
 
 
-@recipe
+@recipe(elementwise=True)
 def scale_by_delay_compensation(
     lam: float | jax.Array = 0.04,
     *,
@@ -141,7 +141,7 @@ def scale_by_delay_compensation(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@recipe
+@recipe(elementwise=True)
 def dc_asgd(
     learning_rate: ScalarOrSchedule,
     lam: float | jax.Array = 0.04,

@@ -14,7 +14,7 @@ from asgd_jax.rules import common
 from asgd_jax.rules.common import ScalarOrSchedule
 
 
-@recipe
+@recipe(elementwise=True)
 def delay_threshold_sgd(
     learning_rate: ScalarOrSchedule, num_workers: int | jax.Array, max_step: float | jax.Array = 0.0
 ) -> optax.GradientTransformationExtraArgs:

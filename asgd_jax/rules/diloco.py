@@ -18,7 +18,7 @@ from asgd_jax.rules.async_sgd import asgd
 from asgd_jax.rules.common import ScalarOrSchedule
 
 
-@recipe
+@recipe(elementwise=True)
 def diloco(
     learning_rate: ScalarOrSchedule = 0.7, *, momentum: float | jax.Array = 0.9, nesterov: bool = True
 ) -> optax.GradientTransformationExtraArgs:

@@ -12,7 +12,7 @@ from asgd_jax.recipes import recipe
 from asgd_jax.rules import common
 
 
-@recipe
+@recipe(elementwise=True)
 def drop_stale(max_staleness: int | jax.Array) -> optax.GradientTransformationExtraArgs:
     r"""Zeroes an update whose staleness exceeds ``max_staleness`` (TensorFlow's old DropStaleGradientOptimizer).
 

@@ -37,13 +37,13 @@ from asgd_jax.rules.staleness_aware import staleness_aware_sgd
 from asgd_jax.rules.taming_momentum import dana
 
 
-@recipe
+@recipe(elementwise=True)
 def _named_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False):
     """Sequential SGD: the ``asgd`` rule, named for runs with one worker (or a reference)."""
     return asgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
 
-@recipe
+@recipe(elementwise=True)
 def _named_dc_asgd_c(
     learning_rate: ScalarOrSchedule,
     lam: float | jax.Array = 0.04,
@@ -55,7 +55,7 @@ def _named_dc_asgd_c(
     return dc_asgd(learning_rate, lam, momentum=momentum, nesterov=nesterov)
 
 
-@recipe
+@recipe(elementwise=True)
 def _named_dc_asgd_a(
     learning_rate: ScalarOrSchedule,
     lam: float | jax.Array = 2.0,

@@ -15,7 +15,7 @@ from asgd_jax.rules import common
 from asgd_jax.rules.common import ScalarOrSchedule
 
 
-@recipe
+@recipe(elementwise=True)
 def scale_by_staleness() -> optax.GradientTransformationExtraArgs:
     r"""Divides the gradient by its staleness (Zhang et al. 2016); staleness 0 counts as 1.
 
@@ -37,7 +37,7 @@ def scale_by_staleness() -> optax.GradientTransformationExtraArgs:
     return common.scale_by(lambda tau: 1.0 / jnp.maximum(tau, 1).astype(jnp.float32))
 
 
-@recipe
+@recipe(elementwise=True)
 def staleness_aware_sgd(
     learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
 ) -> optax.GradientTransformationExtraArgs:

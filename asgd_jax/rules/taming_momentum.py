@@ -28,7 +28,7 @@ class DanaState(NamedTuple):
     velocity_sum: optax.Updates
 
 
-@recipe
+@recipe(elementwise=True)
 def dana(
     learning_rate: ScalarOrSchedule,
     *,
