@@ -122,6 +122,8 @@ class StateLayout:
         ]
         live = [x for x, k in zip(leaves, self._kept, strict=True) if not k]
         self.live = tuple(packing.Layout.of(x) for x in (work.params, live, work.model_state))
+        # Whether the rule keeps a state per weight (a moment, a table), not only counters.
+        self.moments = any(np.shape(x) in shapes for x in live) or any(self._kept)
 
     def load(self, st: Stored) -> server.ServerState:
         """The state's working form as slices of the stored buffers (no backups: read a row with :meth:`row`)."""
@@ -263,7 +265,12 @@ class Programs:
             once = lambda body, st: jax.lax.while_loop(
                 lambda c: c[1] < ok.astype(jnp.int32), body, (st, jnp.zeros((), jnp.int32))
             )[0]
-            st = once(pull, once(push, st))
+            if sl.moments:  # (a select over a per-worker table copies it whole; over a moment, XLA copied it)
+                st = once(push, st)
+            else:  # a rule of counters alone (ASGD): the push selected, one pass (in the loop, XLA hoisted lr * g
+                # out of it into a pass of its own; ResNet-20's exchange 498 -> 389 us)
+                st = jax.tree.map(lambda new, old: jnp.where(ok, new, old), push((st, 0))[0], st)
+            st = once(pull, st)
             # The worker's backup: what this push's pull recorded (the very weights a pull sends), or, for a
             # rejected push, the weights it computed at before; either way where it computes next.
             sent = sl.row(st, w)
