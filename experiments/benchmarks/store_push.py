@@ -17,6 +17,8 @@ and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one 
   MeanSquare), writes the worker's backup row and returns the fresh weights; no finite checks. What XLA makes of the
   step on this device, which the NumPy floor does not see (per-program and per-kernel costs).
 - 4 threads: pushes/s with four threads pushing at once, against 1 / (exchange time).
+- one pass: the last table, one elementwise pass in place at each size, XLA:CPU's (jitted, donated) beside NumPy's:
+  what an exchange's own passes cost beside the floor's.
 - pipelined store: the trainer's in-process path (``ParameterStore(pipelined=True)``, what a threads run of the
   plain asynchronous discipline uses): the payload already on the store's device, the answer waited for on the
   device; one thread's median push, and four threads' pushes/s against 1 / (exchange time).
@@ -73,6 +75,21 @@ def median_us(fn, n: int) -> float:
 def floor_us(size: int, passes: int, n: int) -> float:
     a, b = np.ones(size, np.float32), np.empty(size, np.float32)
     return median_us(lambda: np.copyto(b, a), n) * passes / 2
+
+
+def one_pass(size: int, n: int) -> tuple[float, float]:
+    """One elementwise pass over ``size`` floats, in place: ``x * 0.5`` jitted with its input donated, and NumPy's
+    ``np.multiply(a, 0.5, out=a)`` (median microseconds): what XLA:CPU's loops cost beside the floor's NumPy."""
+    scale = jax.jit(lambda x: x * 0.5, donate_argnums=0)
+    state = [jnp.ones(size, jnp.float32)]
+
+    def xla() -> None:
+        state[0] = scale(state[0])
+        state[0].block_until_ready()
+
+    xla()
+    a = np.ones(size, np.float32)
+    return median_us(xla, n), median_us(lambda: np.multiply(a, 0.5, out=a), n)
 
 
 def plain_jax_us(params, rule_name: str, n: int) -> float:
@@ -201,9 +218,11 @@ def main() -> None:
         "| 4 threads pipelined ÷ 1/exchange |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    passes: list[tuple[int, float, float]] = []
     for name, params in models(args.quick).items():
         size, leaves = sum(int(np.size(x)) for x in jax.tree.leaves(params)), len(jax.tree.leaves(params))
         n = 20 if size > 5e6 else (50 if args.quick else 200)
+        passes.append((size, *one_pass(size, 5 * n)))
         for rule_name in RULES:
             r = measure(params, rule_name, n)
             print(
@@ -215,6 +234,10 @@ def main() -> None:
                 f"{r['piped_rate'] * r['exchange'] / 1e6:.2f} |",
                 flush=True,
             )
+    print("\nOne elementwise pass in place (x * 0.5), median us: XLA:CPU, jitted and donated, beside NumPy")
+    print("| params | XLA | NumPy | XLA ÷ NumPy |\n|---|---|---|---|")
+    for size, xla, numpy in passes:
+        print(f"| {size:,} | {xla:,.0f} | {numpy:,.0f} | {xla / numpy:.2f} |")
 
 
 if __name__ == "__main__":
