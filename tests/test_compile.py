@@ -113,9 +113,17 @@ def test_a_uniform_cluster_runs_in_the_program_of_any_cluster_of_its_size_and_la
         assert not np.array_equal(uniform.metrics["time"], talking.metrics["time"])
 
 
+# One rule of each way a recipe holds its numbers: a preset of a factory, ints declared numbers, a seed beside a static
+# fraction, a pull rule, per-worker tables under a required worker count, a None among the numbers. That every
+# registered rule's numbers are arguments of the program that rebuilds it is tests/test_rules_registry.py's (one
+# trace for two learning rates, each rule); here, that the simulator keys its programs on the recipe.
+RECIPE_KINDS = ["dc_asgd_a", "fadas", "randk_asgd", "dana", "ringleader", "cgad"]
+
+
 def test_rules_built_by_name_with_other_numbers_share_one_program():
     plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
-    for name in rules.names():
+    assert set(RECIPE_KINDS) <= set(rules.names())
+    for name in RECIPE_KINDS:
         hp = {k: 3 for k in rules.required(name)}
         first, second = rules.get(name, 0.05, **hp), rules.get(name, 0.01, **hp)
         with compilations() as counts:

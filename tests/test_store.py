@@ -49,20 +49,28 @@ def test_store_rejects_bad_pushes_and_keeps_the_model():
         store.close()
 
 
-def test_the_exchange_updates_the_per_worker_stacks_in_place():
-    # DC-ASGD-a with a MeanSquare per worker keeps two M x params stacks (MeanSquare and the backups). The store's
-    # exchange must update one slot of each in place: a copy of a stack per push cost 2 x 16 MB at 1.1M parameters.
-    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=4)
+@pytest.mark.parametrize(
+    ("rule", "stacks"),
+    [
+        (asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=4), ["f32[4,2048]", "f32[4,2048]"]),
+        (asgd_jax.rules.get("ia2sgd", 0.05, num_workers=4), ["f32[4,2048]", "f32[4,64,32]"]),
+    ],
+    ids=["dc_asgd_a_packed", "ia2sgd_pytree"],
+)
+def test_the_exchange_updates_the_per_worker_stacks_in_place(rule, stacks):
+    # Two M x params stacks each: the backups and the rule's per-worker table (DC-ASGD-a's MeanSquare per worker;
+    # IA2SGD's latest gradients). The store's exchange must update one slot of each in place: a copy of a stack per
+    # push cost 2 x 16 MB at 1.1M parameters. DC-ASGD is elementwise: its table is kept for the weights packed
+    # (asgd_jax.trainer.state.StateLayout); IA2SGD's keeps the weights' shape (the pytree: a mean over the workers).
     store = ParameterStore(rule, {"w": np.zeros((64, 32), np.float32)}, 4)
     try:
         payload = jax.device_put({"w": np.ones((64, 32), np.float32)}, store.device)
         hlo = store.lower_exchange(1, payload).compile().as_text()
     finally:
         store.close()
-    # Both stacks are the program's arguments, packed (DC-ASGD is elementwise: its MeanSquare is kept for the
-    # weights packed, asgd_jax.trainer.state.StateLayout; one [4, 2048] row per worker each), and neither is copied.
-    entry = next(line for line in hlo.splitlines() if line.startswith("ENTRY"))
-    assert entry.split("->")[0].count("f32[4,2048]") == 2, entry
+    # Both stacks are the program's arguments (the backups packed: one [4, 2048] row per worker), neither copied.
+    entry = next(line for line in hlo.splitlines() if line.startswith("ENTRY")).split("->")[0]
+    assert sorted(t for t in ("f32[4,2048]", "f32[4,64,32]") for _ in range(entry.count(t))) == sorted(stacks), entry
     stack_copies = [line for line in hlo.splitlines() if "f32[4," in line and " copy(" in line]
     assert not stack_copies, stack_copies
 
@@ -343,6 +351,27 @@ def test_the_stored_state_is_a_few_buffers_and_steps_as_the_server_does(rule_nam
             # with AVX-512, DC-ASGD-a's store and pytree programs differ there by 12 ulps.)
             ulps = 16 * eps * np.maximum(1.0, np.abs(np.asarray(b, np.float32)))
             np.testing.assert_array_less(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)), ulps + 1e-30)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("name", ["asgd", "dc_asgd_a", "dana", "gap_aware"])
+def test_a_non_finite_push_leaves_the_whole_state_as_it_was(name):
+    """Weights, the rule's state (counters, moments, tables), every backup and version: bit for bit, whichever way the
+    exchange runs (ASGD: its push selected; DC-ASGD-a: stepped packed, in a loop; DANA: a pull rule with per-worker
+    tables; Gap-Aware: the pytree, a moment)."""
+    params = {"a": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), "b": np.full(5, 0.5, np.float32)}
+    store = ParameterStore(asgd_jax.rules.get(name, 0.1, **{k: 3 for k in asgd_jax.rules.required(name)}), params, 3)
+    try:
+        for worker in range(3):  # (a state that moved: counters, moments and backups not at their initial values)
+            store.push(worker, jax.tree.map(lambda x, w=worker: np.full_like(x, 0.1 * (w + 1)), params), 0).result(10)
+        before = jax.device_get(store.state())
+        bad = {"a": np.ones((2, 3), np.float32), "b": np.array([0, 0, np.inf, 0, 0], np.float32)}
+        with pytest.raises(BadPush, match="NaN or Inf"):
+            store.push(1, bad, 3).result(timeout=10)
+        after = jax.device_get(store.state())
+        assert jax.tree.structure(after) == jax.tree.structure(before)
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, after, before)))
     finally:
         store.close()
 

@@ -122,8 +122,8 @@ class StateLayout:
         ]
         live = [x for x, k in zip(leaves, self._kept, strict=True) if not k]
         self.live = tuple(packing.Layout.of(x) for x in (work.params, live, work.model_state))
-        # Whether the rule keeps a state per weight (a moment, a table), not only counters.
-        self.moments = any(np.shape(x) in shapes for x in live) or any(self._kept)
+        # Whether the rule keeps more than scalar counters (a moment, a table: what a select would copy whole).
+        self.moments = any(np.ndim(x) > 0 for x in live) or any(self._kept)
 
     def load(self, st: Stored) -> server.ServerState:
         """The state's working form as slices of the stored buffers (no backups: read a row with :meth:`row`)."""
