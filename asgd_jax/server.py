@@ -139,7 +139,9 @@ def replace_row(tables: Any, slot: jax.Array, new: Any, old: Any) -> Any:
     """``tables`` with row ``slot`` replaced by ``new`` in place, written after ``old`` (:func:`row`) was read: the
     write depends on it (a select that always takes ``new``), so XLA orders every read before the write and copies
     nothing."""
-    put = lambda t, n, o: t.at[slot].set(jnp.where(jnp.asarray(slot) >= 0, n, o).astype(t.dtype))
+    # (_put, a dynamic update, not .at[slot].set: a scatter's bounds check became a select over the row, which
+    # XLA:CPU runs in float32 for a bfloat16 table, converting the whole table there and back: a copy per update)
+    put = lambda t, n, o: _put(t, slot, jnp.where(jnp.asarray(slot) >= 0, n, o))
     return jax.tree.map(put, tables, new, old)
 
 

@@ -75,6 +75,21 @@ def test_the_exchange_updates_the_per_worker_stacks_in_place(rule, stacks):
     assert not stack_copies, stack_copies
 
 
+@pytest.mark.parametrize("name", ["dana", "ia2sgd"])
+def test_a_bfloat16_models_per_worker_tables_are_updated_in_place_too(name):
+    # A table's row written with .at[slot].set was a scatter whose bounds check XLA:CPU ran in float32 for a bfloat16
+    # table: the whole table converted there and back, a copy per push (DANA's velocities stepped packed, IA2SGD's
+    # gradients as a pytree; asgd_jax.server.replace_row).
+    params = {"a": jnp.ones((7, 5), jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    store = ParameterStore(asgd_jax.rules.get(name, 0.1, num_workers=4), params, 4)
+    try:
+        hlo = store.lower_exchange(1, jax.tree.map(jnp.ones_like, params)).compile().as_text()
+    finally:
+        store.close()
+    assert "bf16[4," in hlo
+    assert not [line for line in hlo.splitlines() if "[4," in line and " copy(" in line]
+
+
 def test_the_exchange_writes_the_weights_and_moments_in_place_and_computes_the_update_once():
     # DC-ASGD-a with one MeanSquare: the weights and the moment are written where they are read (packed together,
     # their concatenation went to a new buffer copied back each push), and the compensation is computed once (in
