@@ -199,3 +199,25 @@ def test_the_update_loop_holds_no_loop_of_its_own(case):
     # The reader finds such a loop where there is one: a plain SGD loop that walks the data order per minibatch.
     assert _open_loops(_floor_hlo()) == []
     assert len(_open_loops(_floor_hlo(walk_data_order=True))) == 1
+
+
+@pytest.mark.parametrize("rule", ["dana", "inner adamw"])
+def test_a_bfloat16_models_per_worker_stacks_are_updated_in_place(rule):
+    """DANA's velocities and each worker's own AdamW state, one row of an [M, ...] stack written per update: a row
+    written with ``.at[].set`` was a scatter whose bounds check XLA:CPU ran in float32 for a bfloat16 stack, converting
+    and copying the whole stack on every update (``server.replace_row``, the simulator's workers' states)."""
+    params = {"a": jnp.zeros(7, jnp.bfloat16), "b": jnp.zeros(5)}
+    data = {"x": jnp.ones((64, 12)), "y": jnp.ones(64)}
+
+    def loss(w, batch):
+        flat = jnp.concatenate([w["a"].astype(jnp.float32), w["b"]])
+        return 0.5 * jnp.mean((batch["x"] @ flat - batch["y"]) ** 2)
+
+    if rule == "dana":
+        made, kwargs = asgd_jax.rules.get("dana", 0.05, num_workers=8), {}
+    else:
+        made, kwargs = asgd_jax.asgd(0.05), {"inner": "adamw", "n_sync": 2, "push": "delta", "local_lr": 0.01}
+    plan = asgd_jax.Plan(delays.Workers(8), batch_size=4, chunk=10, **kwargs)
+    hlo = asgd_jax.simulator.lower(loss, made, params, data, plan).compile().as_text()
+    assert "bf16[8,7]" in hlo
+    assert not [line for line in hlo.splitlines() if "bf16[8," in line and " copy(" in line]
