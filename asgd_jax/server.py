@@ -33,6 +33,7 @@ __all__ = [
     "sent",
     "snapshot",
     "snapshot_version",
+    "write_row",
 ]
 
 
@@ -139,10 +140,14 @@ def replace_row(tables: Any, slot: jax.Array, new: Any, old: Any) -> Any:
     """``tables`` with row ``slot`` replaced by ``new`` in place, written after ``old`` (:func:`row`) was read: the
     write depends on it (a select that always takes ``new``), so XLA orders every read before the write and copies
     nothing."""
-    # (_put, a dynamic update, not .at[slot].set: a scatter's bounds check became a select over the row, which
-    # XLA:CPU runs in float32 for a bfloat16 table, converting the whole table there and back: a copy per update)
-    put = lambda t, n, o: _put(t, slot, jnp.where(jnp.asarray(slot) >= 0, n, o))
-    return jax.tree.map(put, tables, new, old)
+    return write_row(tables, slot, jax.tree.map(lambda n, o: jnp.where(jnp.asarray(slot) >= 0, n, o), new, old))
+
+
+def write_row(tables: Any, slot: jax.Array, new: Any) -> Any:
+    """``tables`` with row ``slot`` set to ``new`` (cast to each table's dtype), a dynamic update in place. Not
+    ``.at[slot].set``: a scatter's bounds check became a select over the row, which XLA:CPU runs in float32 for a
+    bfloat16 table, converting the whole table there and back, a copy per update."""
+    return jax.tree.map(lambda t, n: _put(t, slot, n), tables, new)
 
 
 class Versioned(Protocol):

@@ -55,9 +55,8 @@ def chained_before(first: Any, rule: Any) -> Any:
     return PullRule(chained.init, chained.update, lambda params, state, worker: rule.pull(params, state[1], worker))
 
 
-@recipe(
-    static=("index",), elementwise=True
-)  # a concrete index picks the rule at compile time; a traced one (a sweep's) at run time
+# A concrete index picks the rule at compile time; a traced one (a sweep's) at run time.
+@recipe(static=("index",), elementwise=True)
 def one_of(index: int | jax.Array, choices: Sequence[Any]) -> optax.GradientTransformationExtraArgs | PullRule:
     """The rule ``choices[index]``, with ``index`` possibly traced: a sweep runs different rules in one program.
 

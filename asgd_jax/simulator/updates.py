@@ -194,9 +194,7 @@ def _async_update(c: Ctx, srv: server.ServerState, workers: Any, x: _Schedule):
         payload, model_state, loss, aux, mine = exchange.work(
             c.grad_fn, ex, params0, model_state0, batches, k_model, c.local_lr, mine, steps=x.steps
         )
-        # (a dynamic update: .at[].set's bounds check made XLA:CPU convert a bfloat16 stack to float32 and copy it)
-        put = lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), x.worker, 0)
-        workers = jax.tree.map(put, workers, mine)
+        workers = server.write_row(workers, x.worker, mine)
     srv, staleness = server.exchange(
         c.rule,
         srv,

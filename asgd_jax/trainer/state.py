@@ -181,14 +181,12 @@ class StateLayout:
         )
 
 
-def packed_view(rule_at: Callable[[Any], Any], numbers: Any, state: server.ServerState, layout: packing.Layout):
-    """The working form of ``state`` (shapes) for a rule that works on the packed weights: the server state of the
-    rule on ``layout``'s buffers, when its rule state is :meth:`asgd_jax.packing.Layout.pack_within` of the tree's
-    (the same bytes, stored alike); None where it is not (a table the packing does not see: the tree's form)."""
-    num_slots = int(np.shape(state.backup_version)[0])
-    view = jax.eval_shape(
-        lambda n, p, ms: server.init(rule_at(n), p, num_slots, ms), numbers, layout.shapes(), state.model_state
-    )
+def packed_view(init: Callable, numbers: Any, state: server.ServerState, layout: packing.Layout):
+    """The working form of ``state`` (shapes) for a rule that works on the packed weights: what the store's ``init``
+    (``(numbers, params, model_state) -> ServerState``) makes of ``layout``'s buffers, when its rule state is
+    :meth:`asgd_jax.packing.Layout.pack_within` of the tree's (the same bytes, stored alike); None where it is not (a
+    table the packing does not see: the tree's form)."""
+    view = jax.eval_shape(init, numbers, layout.shapes(), state.model_state)
     packed = jax.eval_shape(layout.pack_within, state.opt_state)
     kind = lambda tree: (jax.tree.structure(tree), [(np.shape(x), x.dtype) for x in jax.tree.leaves(tree)])
     return view if kind(packed) == kind(view.opt_state) else None
@@ -221,7 +219,7 @@ class Programs:
         self.stateful = model_state is not None
         self.layout = packing.Layout.of(shapes.params)
         self.model_state_layout = packing.Layout.of(shapes.model_state if self.stateful else {})
-        view = packed_view(rule_at, numbers, shapes, self.layout) if elementwise else None
+        view = packed_view(self.init, numbers, shapes, self.layout) if elementwise else None
         self.stored_layout = StateLayout(shapes, num_workers, self.layout, self.model_state_layout, view)
         self._computed = cache.Kept(8)  # a computed push's program, per worker period function
         self._compile(rule_at)
