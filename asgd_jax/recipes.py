@@ -10,9 +10,8 @@ same structure and other numbers shares one compiled program.
 
 What is structure and what is a number: floats and arrays are numbers; ``None``, bools, strings, ints and callables
 (an optax schedule, by identity) are structure, except the arguments a factory declares numbers (the learning rate,
-always). A number left at the factory's default is a number too, an argument of the program like one given: spelling
-a default out or not gives one program and the same bits. A rule among the arguments (:func:`asgd_jax.rules.one_of`'s
-choices) or a learning-rate schedule of :mod:`asgd_jax.schedules` contributes its own recipe.
+always). A rule among the arguments (:func:`asgd_jax.rules.one_of`'s choices) or a learning-rate schedule of
+:mod:`asgd_jax.schedules` contributes its own recipe.
 
 Decorate your own factory with :func:`recipe` to give its rules the same treatment.
 
@@ -21,8 +20,8 @@ Example:
   >>> a, b = asgd_jax.dc_asgd(0.1, lam=2.0), asgd_jax.dc_asgd(0.3, lam=0.5)
   >>> asgd_jax.recipes.of(a).structure == asgd_jax.recipes.of(b).structure
   True
-  >>> sorted(asgd_jax.recipes.of(a).numbers)  # (those left at their defaults too)
-  ['eps', 'lam', 'learning_rate', 'mean_square_decay']
+  >>> sorted(asgd_jax.recipes.of(a).numbers)
+  ['lam', 'learning_rate']
 """
 
 from __future__ import annotations
@@ -193,16 +192,10 @@ def recipe(
     def make(*args, **kwargs):
         made = factory(*args, **kwargs)
         try:
-            given = signature.bind(*args, **kwargs).arguments
-            defaults = _number_defaults(signature, given, numbers, static)
-            arguments = {  # (in the signature's order, whether given or left at the default)
-                name: given[name] if name in given else defaults[name]
-                for name in signature.parameters
-                if name in given or name in defaults
-            }
+            bound = signature.bind(*args, **kwargs)
             parts = [
                 (name, _fixed(value) if name in static else _split(value, name in numbers))
-                for name, value in arguments.items()
+                for name, value in bound.arguments.items()
             ]
             structure = (factory, tuple((name, s) for name, (s, _) in parts))
             _RECIPES[_target(made)] = Recipe(structure, {name: n for name, (_, n) in parts if n is not None})
@@ -212,19 +205,6 @@ def recipe(
 
     make.is_recipe = True
     return make
-
-
-def _number_defaults(
-    signature: inspect.Signature, given: dict[str, Any], numbers: tuple[str, ...], static: tuple[str, ...]
-) -> dict[str, Any]:
-    """The numbers a call left at the factory's defaults (DC-ASGD-a's lambda_0, m and eps): arguments of the program
-    like those given, so that ``get("dc_asgd_a", 0.1)`` and ``get("dc_asgd_a", 0.1, lam=1.0)`` share one program and
-    a default gives the bits that spelling it out gives."""
-    return {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if name not in given and name not in static and _is_number(p.default, name in numbers)
-    }
 
 
 def elementwise(rule: Any) -> bool:

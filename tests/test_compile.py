@@ -133,31 +133,6 @@ def test_rules_built_by_name_with_other_numbers_share_one_program():
         assert not np.array_equal(a.params, b.params), name
 
 
-@pytest.mark.parametrize(
-    ("name", "spelled"),
-    [
-        ("dc_asgd_a", {"lam": 2.0, "mean_square_decay": 0.95, "eps": 1e-7}),
-        ("gap_aware", {}),  # (its defaults, filled in below from its factory)
-        ("cgad", {"b1": 0.9, "b2": 0.999, "eps": 1e-8}),
-    ],
-)
-def test_a_number_left_at_its_default_is_an_argument_like_one_spelled_out(name, spelled):
-    """A preset's defaults (DC-ASGD-a's lambda_0, m and eps) are numbers of the program, not constants in it: spelling
-    them out, or giving other values, compiles nothing new and the default gives the bits its spelling gives."""
-    plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
-    default = rules.get(name, 0.05)
-    spelled = spelled or {k: v for k, v in asgd_jax.recipes.of(default).numbers.items() if k != "learning_rate"}
-    assert set(spelled) <= set(asgd_jax.recipes.of(default).numbers)
-    run = lambda rule: asgd_jax.simulate(lsq_loss, rule, jnp.asarray(W0), DATA, plan, progress=False)
-    plain = run(default)
-    with compilations() as counts:
-        same = run(rules.get(name, 0.05, **spelled))
-        other = run(rules.get(name, 0.05, **{k: 0.5 * v for k, v in spelled.items()}))
-    assert _simulator(counts) == {}, counts
-    np.testing.assert_array_equal(plain.params, same.params)
-    assert not np.array_equal(plain.params, other.params)
-
-
 def test_a_rule_of_ones_own_compiles_once_per_object_and_a_new_object_each_call_is_named():
     plan = asgd_jax.Plan(delays.Workers(3), batch_size=B, num_updates=20, chunk=20)
     make = lambda: optax.sgd(0.05)  # an optax rule: a closure, keyed by its identity

@@ -167,8 +167,8 @@ def test_one_of_runs_exactly_the_chosen_rule_and_only_its_state_moves(index):
         jax.tree.map(np.testing.assert_array_equal, before, after)
 
 
-@pytest.mark.filterwarnings("ignore::asgd_jax.simulator.RecompileWarning")  # (a rule function per choice: meant)
 def test_one_of_with_a_traced_index_in_a_sweep_is_each_rule_on_its_own():
+    choices = [c() for c in CHOICES]
     keys, hp = asgd_jax.grid(seeds=[5], index=[0, 1, 2])
     swept = asgd_jax.sweep(
         lsq_loss,
@@ -180,21 +180,17 @@ def test_one_of_with_a_traced_index_in_a_sweep_is_each_rule_on_its_own():
         hparams={"index": jnp.asarray(hp["index"], jnp.int32)},
         progress=False,
     )
-    for i, make in enumerate(CHOICES):
-        # Each rule alone, built inside its program as the sweep builds its choices (their numbers constants there,
-        # where a rule handed to simulate() has its numbers as arguments: float32 arithmetic on them rounds apart).
-        keys, hp = asgd_jax.grid(seeds=[5], index=[i])
-        alone = asgd_jax.sweep(
+    for i, rule in enumerate(choices):
+        alone = asgd_jax.simulate(
             lsq_loss,
-            lambda h, make=make: make(),
+            rule,
             jnp.asarray(W1),
             DATA,
             asgd_jax.Plan(delays.Workers(3), batch_size=8, num_updates=30),
-            keys=keys,
-            hparams={"index": jnp.asarray(hp["index"], jnp.int32)},
+            key=jax.random.key(5),
             progress=False,
         )
-        np.testing.assert_allclose(swept.params[i], alone.params[0], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(swept.params[i], alone.params, rtol=1e-6, atol=1e-7)
 
 
 # --------------------------------------------------------------------------------------------------------------------
