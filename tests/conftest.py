@@ -29,6 +29,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 import socket  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 from helpers.compiles import Census  # noqa: E402
@@ -42,6 +43,14 @@ def pytest_runtest_setup(item):
 
 def pytest_sessionfinish(session):
     CENSUS.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+@pytest.fixture
+def scratch_tempdir(monkeypatch, tmp_path):
+    """``tempfile``'s folders (``mkdtemp()`` in a docstring example, TFDS's for a dataset not prepared on disk, which
+    it never removes) go to this test's pytest folder, which pytest cleans, not to /tmp. Not for every test: Ray takes
+    its session folder from ``tempfile``, and a pytest path is too long for its sockets."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture

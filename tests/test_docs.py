@@ -6,7 +6,6 @@ import doctest
 import importlib
 import pathlib
 import pkgutil
-import tempfile
 
 import pytest
 
@@ -19,15 +18,8 @@ MODULES = sorted(
 )
 
 
-@pytest.fixture
-def scratch_tmp(monkeypatch, tmp_path):
-    """The examples' ``tempfile.mkdtemp()`` folders (a trace, a run's folder) go to pytest's temporary folder, which
-    pytest cleans, not to /tmp."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-
-
 @pytest.mark.parametrize("module", ["asgd_jax", *MODULES])
-def test_docstring_examples(module, scratch_tmp):
+def test_docstring_examples(module, scratch_tempdir):  # (the examples' mkdtemp folders)
     m = importlib.import_module(module)
     result = doctest.testmod(m, optionflags=FLAGS, verbose=False)
     assert result.failed == 0
@@ -44,7 +36,7 @@ def test_docstring_examples(module, scratch_tmp):
         assert runner.tries >= 10, runner.tries
 
 
-def test_readme_examples(scratch_tmp):
+def test_readme_examples(scratch_tempdir):
     result = doctest.testfile(str(ROOT / "README.md"), module_relative=False, optionflags=FLAGS)
     assert result.failed == 0
     assert result.attempted > 5  # the README's tour really is executed

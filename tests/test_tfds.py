@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import tempfile
 import time
 
 import jax
@@ -17,12 +16,9 @@ from asgd_jax.cli import main
 tfds = pytest.importorskip("tensorflow_datasets")
 
 
-@pytest.fixture(autouse=True)
-def _tfds_scratch(monkeypatch, tmp_path_factory):
-    """TFDS makes a temporary folder for every builder of a dataset not prepared on disk (``DatasetInfo.
-    initialize_from_bucket``) and never removes it: in these tests they go to pytest's own temporary folder, which
-    pytest cleans, not to /tmp (40 folders a run before)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tfds_scratch")))
+# TFDS makes a temporary folder for every builder of a dataset not prepared on disk (DatasetInfo.
+# initialize_from_bucket) and never removes it: 40 a run in /tmp before.
+pytestmark = pytest.mark.usefixtures("scratch_tempdir")
 
 
 @pytest.fixture
