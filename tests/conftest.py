@@ -28,6 +28,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -51,6 +52,16 @@ def scratch_tempdir(monkeypatch, tmp_path):
     it never removes) go to this test's pytest folder, which pytest cleans, not to /tmp. Not for every test: Ray takes
     its session folder from ``tempfile``, and a pytest path is too long for its sockets."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def ray_temp_dir():
+    """A root folder of its own for a module's Ray instances (their sessions: logs, sockets, spilled objects),
+    removed after the module: Ray keeps every session under /tmp/ray otherwise, three more a suite. Short and in /tmp,
+    as Ray's own default: its sockets' paths must fit in 107 characters (a pytest folder's do not)."""
+    path = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)  # (a killed actor's process may still be writing its last log line)
 
 
 @pytest.fixture

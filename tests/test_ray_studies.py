@@ -52,8 +52,14 @@ def _same(a, b) -> None:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+def local_ray(ray_temp_dir):
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        log_to_driver=False,
+        _temp_dir=ray_temp_dir,
+    )
     yield ray
     ray.shutdown()
 
@@ -102,12 +108,12 @@ def test_an_arm_that_fails_for_its_own_reason_is_named(study_file, local_ray):
         studies.run(module.BROKEN, quick=True, progress=False, backend="ray")
 
 
-def test_a_two_node_cluster_that_loses_a_node_gives_the_same_result(study_file, local_result, tmp_path):
+def test_a_two_node_cluster_that_loses_a_node_gives_the_same_result(study_file, local_result, tmp_path, ray_temp_dir):
     from ray.cluster_utils import Cluster
 
     ray.shutdown()  # the local instance of the tests above: the cluster has its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    worker = cluster.add_node(num_cpus=1)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": ray_temp_dir})
+    worker = cluster.add_node(num_cpus=1, temp_dir=ray_temp_dir)
     try:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         study = studies.load(str(study_file))
