@@ -163,4 +163,4 @@ def test_a_rule_declared_elementwise_gives_the_same_bits_on_the_packed_weights(n
     back = layout.unpack_within(packed.opt_state, trees.opt_state)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, back, trees.opt_state)))
     # And the parameter store does step it packed (it keeps the pytree, silently, where the packing does not fit).
-    assert programs(rule, 3, MIXED, None)[0].stored_layout.packed_view
+    assert programs(rule, 3, MIXED, None)[0].stored_layout.works_packed

@@ -98,6 +98,9 @@ class StateLayout:
       num_workers: M.
       layout, ms_layout: the weights' and the model state's packed forms.
       view: the working form's shapes when the rule works on the packed weights, else None.
+
+    Attributes:
+      works_packed: whether it does (``view`` was given).
     """
 
     def __init__(
@@ -109,7 +112,7 @@ class StateLayout:
         view: server.ServerState | None = None,
     ):
         self.layout, self.ms_layout = layout, ms_layout
-        self.packed_view = view is not None
+        self.works_packed = view is not None
         work = state if view is None else view
         self._tree_opt = state.opt_state
         # The weights as the rule sees them (a payload's, a backup's): the pytree, or the packed buffers themselves.
@@ -163,7 +166,7 @@ class StateLayout:
         rows = lambda layout, stacks: tuple(jax.vmap(layout.pack)(stacks)) if layout.dtypes else ()
         bp, bms = rows(self.layout, s.backup_params), rows(self.ms_layout, s.backup_model_state)
         empty = Stored((), bp, bms, (), s.backup_version, s.version)
-        if self.packed_view:
+        if self.works_packed:
             s = s._replace(params=self.layout.pack(s.params), opt_state=self.layout.pack_within(s.opt_state))
         return self.store(s, empty)
 
@@ -171,7 +174,7 @@ class StateLayout:
         """The stored form as a whole :class:`asgd_jax.server.ServerState`, the weights a pytree (a checkpoint's, a
         caller's)."""
         s = self.load(st)
-        if self.packed_view:
+        if self.works_packed:
             opt_state = self.layout.unpack_within(s.opt_state, self._tree_opt)
             s = s._replace(params=self.layout.unpack(s.params), opt_state=opt_state)
         stacks = lambda layout, rows: jax.vmap(layout.unpack)(rows) if layout.dtypes else layout.unpack(())
