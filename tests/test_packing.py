@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asgd_jax
-from asgd_jax.packing import Layout
+from asgd_jax.packing import ALIGNMENT, Layout, aligned_empty
 from asgd_jax.trainer.store import BadPush, ParameterStore
 
 DTYPES = [np.float32, np.float16, np.int32, jnp.bfloat16]
@@ -52,6 +52,27 @@ def test_packing_is_a_bijection_on_the_host_and_in_a_program(tree):
     again = jax.jit(lambda bufs: layout.unpack(bufs))(host)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(tree), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=3).map(tuple), st.sampled_from(DTYPES))
+def test_an_aligned_host_buffer_is_taken_by_a_cpu_device_without_a_copy(shape, dtype):
+    x = aligned_empty(shape, dtype)
+    assert x.shape == shape and x.dtype == np.dtype(dtype) and (x.size == 0 or x.ctypes.data % ALIGNMENT == 0)
+    x[...] = np.arange(x.size).reshape(shape).astype(dtype)
+    on_device = jax.device_put(x, jax.devices("cpu")[0])
+    np.testing.assert_array_equal(np.asarray(on_device), x)
+    if x.size:  # (the device's buffer is the array's memory: no copy on a CPU)
+        assert np.asarray(on_device).ctypes.data == x.ctypes.data
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees())
+def test_a_host_packs_several_leaves_into_aligned_buffers(tree):
+    layout = Layout.of(tree)
+    for buffer, dtype in zip(layout.pack_host(tree), layout.dtypes, strict=True):
+        leaves = [x for x in jax.tree.leaves(tree) if np.dtype(x.dtype) == dtype]
+        assert len(leaves) == 1 or not buffer.size or buffer.ctypes.data % ALIGNMENT == 0  # (one leaf: itself)
 
 
 def test_host_leaves_are_views_of_the_buffer():

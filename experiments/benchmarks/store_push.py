@@ -6,7 +6,8 @@ and one-leaf models of 1.1M and 11.2M parameters; rules ASGD and DC-ASGD-a (one 
 
 - store: ``ParameterStore.push(..., packed=True).result()`` from one thread, end to end (the payload's transfer to the
   store's device, the applier's gate, the exchange, the trace line, the answer back), median. The payload comes as a
-  worker's does, with its finite check made in the worker's program (``Checked``: its cost is the worker's).
+  worker's does: host buffers 64-byte aligned, with its finite check made in the worker's program (``Checked``: its
+  cost is the worker's).
 - exchange: the store's own compiled exchange for such a payload (``StoreState.lower``), looped on its state, median;
   "checking exchange": the one for a payload that comes plain (a caller's, a round's mean), which checks it itself.
 - floor: the passes over parameter memory that the step needs, timed as NumPy copies of that many bytes (a copy is
@@ -42,6 +43,7 @@ import numpy as np
 import optax
 
 import asgd_jax
+from asgd_jax import packing
 from asgd_jax.trainer.messages import Checked
 from asgd_jax.trainer.store import ParameterStore
 
@@ -70,6 +72,15 @@ def median_us(fn, n: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
+
+
+def aligned_full(size: int, dtype) -> np.ndarray:
+    """A payload buffer on the host as a worker's comes (a view of its device buffer, or out of Ray's object store):
+    64-byte aligned, which a CPU device takes without a copy (NumPy's own large arrays are not: see
+    ``asgd_jax.packing.aligned_empty``)."""
+    x = packing.aligned_empty(size, dtype)
+    x[...] = 1e-3
+    return x
 
 
 def floor_us(size: int, passes: int, n: int) -> float:
@@ -141,7 +152,7 @@ def measure(params, rule_name: str, n: int) -> dict[str, float]:
         store = ParameterStore(rule, params, WORKERS, out_dir=out)
         store.warm_up()
         store.warm_up(checked=True)
-        payload = tuple(np.full(k, 1e-3, d) for k, d in zip(store.layout.sizes, store.layout.dtypes, strict=True))
+        payload = tuple(aligned_full(k, d) for k, d in zip(store.layout.sizes, store.layout.dtypes, strict=True))
         checked = Checked(payload, np.bool_(True))  # (a worker's push: its check made in its own program)
         version = [0]
 
