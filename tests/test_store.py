@@ -13,8 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asgd_jax
+from asgd_jax import packing
 from asgd_jax.trainer.store import BadPush, ParameterStore, StaleRound, StoreClosed
 
 
@@ -159,25 +162,44 @@ def _round(store, payloads, version=0):
     return answers
 
 
-def test_an_ssgd_round_applies_the_mean_of_all_workers_once():
-    store = ParameterStore(asgd_jax.asgd(0.5), {"w": np.zeros(2, np.float32)}, 3)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])  # (bfloat16: the mean was worker 0's payload)
+def test_an_ssgd_round_applies_the_mean_of_all_workers_once(dtype):
+    store = ParameterStore(asgd_jax.asgd(0.5), {"w": np.zeros(2, dtype)}, 3)
     try:
-        payloads = [{"w": np.array([1.0, 0.0], np.float32) * (w + 1)} for w in range(3)]  # mean: [2, 0]
+        payloads = [{"w": np.array([1.0, 0.0], dtype) * dtype(w + 1)} for w in range(3)]  # mean: [2, 0]
         answers = _round(store, payloads)
         assert store.status().applied == 1 and store.status().received == 1  # one update, pushed as worker 0
         for w in range(3):
             params, _, version = answers[w]
-            np.testing.assert_allclose(params["w"], [-1.0, 0.0])  # w - 0.5 * mean
+            assert params["w"].dtype == np.dtype(dtype) and params["w"].tolist() == [-1.0, 0.0]  # w - 0.5 * mean
             assert version == 1
         with pytest.raises(StaleRound, match="computed at version 0, the store is at 1"):
             store.push_round(1, payloads[1], 0)
         # A non-finite mean is rejected: every worker gets the unchanged weights back, and the next round goes on.
-        bad = [{"w": np.array([np.nan, 0.0], np.float32)}, *payloads[1:]]
+        bad = [{"w": np.array([np.nan, 0.0], dtype)}, *payloads[1:]]
         answers = _round(store, bad, version=1)
         assert store.status().applied == 1 and store.status().rejected == 1
-        assert all(np.allclose(answers[w][0]["w"], [-1.0, 0.0]) and answers[w][2] == 1 for w in range(3))
+        assert all(answers[w][0]["w"].tolist() == [-1.0, 0.0] and answers[w][2] == 1 for w in range(3))
     finally:
         store.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from([np.float32, np.float16, jnp.bfloat16]), st.integers(1, 9), st.integers(0, 40), st.integers(0, 99)
+)
+def test_a_rounds_mean_on_the_host_is_the_simulators_for_16_bit_floats_and_numpys_for_float32(dtype, m, n, seed):
+    rng = np.random.default_rng(seed)
+    trees = [{"g": (rng.normal(size=n) * 10).astype(dtype), "step": np.int32(w + 3)} for w in range(m)]
+    mean = asgd_jax.exchange.host_mean(trees)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *trees)
+    if np.dtype(dtype).itemsize < 4:  # float32 inside, as jnp.mean: the simulator's own program's bits
+        expected = np.asarray(jax.jit(asgd_jax.exchange.mean_tree)(stacked)["g"])
+    else:  # NumPy's, as it always was (XLA adds M = 3, 5, 8 rows in another order: a last bit apart)
+        expected = np.mean(stacked["g"], axis=0).astype(dtype)
+    assert mean["g"].dtype == np.dtype(dtype) and mean["g"].tobytes() == expected.tobytes()
+    assert mean["step"] == 3  # an integer: the first worker's
+    assert n == 0 or mean["g"].ctypes.data % packing.ALIGNMENT == 0  # (a CPU store takes it without a copy)
 
 
 def test_calling_the_rounds_off_releases_every_waiting_worker():
