@@ -32,6 +32,7 @@ __all__ = [
     "finite_number",
     "int_at_least",
     "is_int",
+    "is_numeric",
     "output_folder",
     "positive_int",
     "require",
@@ -75,6 +76,14 @@ def int_at_least(name: str, value: Any, lowest: int, flag: str | None = None) ->
 def positive_int(name: str, value: Any, flag: str | None = None) -> int:
     """``value`` as an int, if it is an int >= 1."""
     return int_at_least(name, value, 1, flag)
+
+
+def is_numeric(dtype: Any) -> bool:
+    """Whether ``dtype`` is a number's: an integer or a float, NumPy's or one JAX adds (bfloat16, float8, ...), not a
+    bool. (``np.issubdtype(jnp.bfloat16, np.number)`` is False: NumPy does not know ml_dtypes' floats.)"""
+    import jax.numpy as jnp
+
+    return np.dtype(dtype) != np.bool_ and bool(jnp.issubdtype(dtype, jnp.number))
 
 
 def finite_number(

@@ -193,6 +193,33 @@ def test_rules_get_rejects_unknown_names_and_bad_numbers(name, learning_rate, la
     _raises_config_error_without_compiling(lambda: rules.get("asgd", 0.1, no_such_hyperparameter=1.0))
 
 
+FLOATS = [np.float16, jnp.bfloat16, np.float32, np.float64]  # (NumPy does not count bfloat16 as a number)
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(FLOATS), value=st.floats(0.01, 4.0), bad=non_finite)
+def test_a_number_of_any_float_dtype_is_taken_where_a_number_belongs_and_a_non_finite_one_is_named(dtype, value, bad):
+    number, nan = np.asarray(value, dtype), np.asarray(bad, dtype)
+    # A rule's numbers, a delay model's, a sweep's hyperparameters: taken (a bfloat16 one was "not a finite number").
+    assert rules.get("dc_asgd_a", number, lam=number) is not None
+    assert delays.Workers(3, sigma=number).sigma is number
+    factory = lambda hp: asgd_jax.dc_asgd(0.05, hp["lam"], adaptive=True)
+    keys, _ = asgd_jax.grid(seeds=[0, 1])
+    hparams = {"lam": np.full(2, value, dtype)}
+    run = asgd_jax.sweep(lsq_loss, factory, W0, DATA, PLAN, keys=keys, hparams=hparams, progress=False)
+    assert run.params.shape[0] == 2 and np.isfinite(run.params).all()
+    # The same dtype, not finite: refused, naming it.
+    with pytest.raises(ConfigError, match="learning_rate"):
+        rules.get("asgd", nan)
+    with pytest.raises(ConfigError, match="sigma"):
+        delays.Workers(3, sigma=nan)
+    _raises_config_error_without_compiling(
+        lambda: asgd_jax.sweep(
+            lsq_loss, factory, W0, DATA, PLAN, keys=keys, hparams={"lam": np.full(2, bad, dtype)}, progress=False
+        )
+    )
+
+
 PLAN_COUNTS = ("num_updates", "batch_size", "n_sync")
 PLAN_OPTIONAL_COUNTS = ("eval_every", "checkpoint_every", "chunk")
 

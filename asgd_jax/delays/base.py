@@ -127,7 +127,7 @@ def check_array(name: str, value: Any, ok, expected: str, per_update: bool = Fal
         array = np.asarray(value)
     except (TypeError, ValueError):
         array = np.asarray(None)
-    numeric = array.dtype != bool and np.issubdtype(array.dtype, np.number)
+    numeric = errors.is_numeric(array.dtype)
     fits = array.ndim == 1 and array.size > 0 if per_update else array.ndim == 0
     if not (numeric and fits) or not bool(np.all(np.isfinite(array) & ok(array))):
         what = "a 1-D list of ints" if per_update else "a finite number"

@@ -33,9 +33,10 @@ def _check(name: str, value: Any, ok, expected: str) -> None:
     """Checks a numeric hyperparameter that may be an array, unless it is traced."""
     if not _is_concrete(value):
         return
-    numeric = isinstance(value, int | float | np.number | np.ndarray | jax.Array) and not isinstance(value, bool)
+    # (np.generic: ml_dtypes' scalars, a bfloat16 one, are no np.number; a bool's dtype is refused below)
+    numeric = isinstance(value, int | float | np.generic | np.ndarray | jax.Array) and not isinstance(value, bool)
     v = np.asarray(value) if numeric else None
-    good = numeric and np.issubdtype(v.dtype, np.number) and bool(np.all(np.isfinite(v) & ok(v)))
+    good = numeric and errors.is_numeric(v.dtype) and bool(np.all(np.isfinite(v) & ok(v)))
     errors.require(good, name, value, f"{name} must be a finite number {expected}")
 
 

@@ -111,7 +111,7 @@ def check_hparams(hparams: Any, num_runs: int, per_run_arrays: bool = False) -> 
         except (TypeError, ValueError):
             array = np.asarray(None)
         shaped = array.shape[:1] == (num_runs,) and (per_run_arrays or array.ndim == 1)
-        ok = shaped and array.dtype != bool and np.issubdtype(array.dtype, np.number)
+        ok = shaped and errors.is_numeric(array.dtype)
         errors.require(
             ok and bool(np.all(np.isfinite(array))),
             f"hparams[{name!r}]",
