@@ -95,12 +95,21 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
         # The template may be abstract (jax.ShapeDtypeStruct, from jax.eval_shape): read its shape and dtype alone.
         shape = tuple(getattr(want, "shape", np.shape(want)))
         dtype = np.dtype(want.dtype) if hasattr(want, "dtype") else np.asarray(want).dtype
+        got = leaves[i] = _typed(got, dtype)
         if got.shape != shape or got.dtype != dtype:
             raise errors.ConfigError(
                 f"Checkpoint {path} leaf {i} is {got.dtype}{list(got.shape)} but this run needs "
                 f"{dtype}{list(shape)}: it was written by a different configuration."
             )
     return jax.tree.unflatten(treedef, leaves), arrays, header
+
+
+def _typed(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A leaf as read, in the template's dtype where NumPy kept only its bytes: ``.npz`` stores a dtype NumPy does not
+    name (ml_dtypes' bfloat16, float8, ...) as raw bytes of its size (``|V2``), read back as such. The same bytes, a
+    view (a leaf of another size or kind stays as it is, and is refused as another configuration's)."""
+    raw = array.dtype.kind == "V" and array.dtype.fields is None
+    return array.view(dtype) if raw and dtype.kind == "V" and array.dtype.itemsize == dtype.itemsize else array
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:

@@ -461,3 +461,17 @@ def test_files_that_are_not_traces_or_models_are_named(tmp_path):
     garbage.write_bytes(b"PK\x03\x04" + np.random.default_rng(1).bytes(100))
     with pytest.raises(ConfigError, match=r"model\.npz is not a readable checkpoint"):
         checkpoint.load_model(garbage, W0)
+
+
+def test_a_saved_model_of_ml_dtypes_weights_loads_back_and_a_misfit_is_still_named(tmp_path):
+    # .npz keeps a dtype NumPy does not name as raw bytes (|V2 for bfloat16): read back in the model's own dtype.
+    import ml_dtypes
+
+    params = {"w": np.asarray([1.5, -2.0, 3.25], ml_dtypes.bfloat16), "s": np.ones(2, ml_dtypes.float8_e4m3fn)}
+    checkpoint.save_model(tmp_path / "model.npz", params, None)
+    loaded, _ = checkpoint.load_model(tmp_path / "model.npz", jax.tree.map(np.zeros_like, params))
+    for name, x in params.items():
+        assert loaded[name].dtype == x.dtype and loaded[name].tobytes() == x.tobytes(), name
+    float16 = {"w": np.zeros(3, np.float16), "s": params["s"]}  # the same bytes' size, another kind of float
+    with pytest.raises(ConfigError, match=r"leaf \d is \|V2\[3\] but this run needs float16\[3\]"):
+        checkpoint.load_model(tmp_path / "model.npz", float16)

@@ -210,6 +210,26 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
         simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, key=9, **common)
 
 
+def test_a_bfloat16_run_resumes_from_its_checkpoint_bit_identical(tmp_path):
+    # .npz keeps a bfloat16 leaf as raw bytes (|V2): the checkpoint was refused as "another configuration's".
+    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, momentum=0.5)
+    params = jnp.asarray(W0, jnp.bfloat16)
+    plan = asgd_jax.Plan(delays.Workers(4), num_updates=40, batch_size=B, chunk=10)
+    run = lambda **kw: asgd_jax.simulate(lsq_loss, rule, params, DATA, plan, progress=False, **kw)
+    full = run()
+
+    def crash(done, state):
+        if done == 20:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(checkpoint_dir=tmp_path, callback=crash)
+    resumed = run(checkpoint_dir=tmp_path)
+    assert resumed.params.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(resumed.params), np.asarray(full.params))
+    np.testing.assert_array_equal(resumed.metrics["loss"], full.metrics["loss"])
+
+
 def test_evaluation_runs_at_start_and_every_interval():
     eval_fn = lambda w, _: {"loss": lsq_loss(w, DATA)}
     result = simulate_lsq(asgd_jax.asgd(0.05), delays.Workers(2), num_updates=25, eval_fn=eval_fn, eval_every=10)
