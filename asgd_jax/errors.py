@@ -79,11 +79,14 @@ def positive_int(name: str, value: Any, flag: str | None = None) -> int:
 
 
 def is_numeric(dtype: Any) -> bool:
-    """Whether ``dtype`` is a number's: an integer or a float, NumPy's or one JAX adds (bfloat16, float8, ...), not a
-    bool. (``np.issubdtype(jnp.bfloat16, np.number)`` is False: NumPy does not know ml_dtypes' floats.)"""
+    """Whether ``dtype`` is a real number's: an integer or a float, NumPy's or one JAX adds (bfloat16, float8, ...);
+    not a bool, a complex number or a time. (``np.issubdtype(jnp.bfloat16, np.number)`` is False: NumPy does not
+    know ml_dtypes' floats.)"""
     import jax.numpy as jnp
 
-    return np.dtype(dtype) != np.bool_ and bool(jnp.issubdtype(dtype, jnp.number))
+    d = np.dtype(dtype)
+    real = jnp.issubdtype(d, jnp.integer) or jnp.issubdtype(d, jnp.floating)
+    return d != np.bool_ and d.kind != "m" and bool(real)  # (NumPy counts a timedelta64 as an integer)
 
 
 def finite_number(

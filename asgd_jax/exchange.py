@@ -409,14 +409,16 @@ def mean_tree(tree: Any) -> Any:
 
 def host_mean(trees: list[Any]) -> Any:
     """The SSGD mean of the workers' payloads on the host, in worker order (what the trainers apply): floats averaged
-    (a 16-bit float in float32, as :func:`mean_tree` and ``jnp.mean`` do), integers taken from worker 0, each float
-    mean in a buffer a CPU device takes without a copy (:func:`asgd_jax.packing.aligned_empty`)."""
+    (a 16-bit one in float32, as ``jnp.mean`` and :func:`mean_tree` do), integers taken from worker 0, each float mean
+    in a buffer a CPU device takes without a copy (:func:`asgd_jax.packing.aligned_empty`). NumPy's sum over the rows,
+    divided by M: within a last bit of :func:`mean_tree`'s, which XLA adds in an order of its own and multiplies by
+    1 / M."""
 
     def mean(*xs):
         x = np.asarray(xs[0])
         if not jnp.issubdtype(x.dtype, jnp.inexact):  # (NumPy's own test says no for bfloat16)
             return x
-        wide = np.float32 if x.dtype.itemsize < 4 else None
+        wide = np.float32 if x.dtype.itemsize == 2 else None
         out = packing.aligned_empty(x.shape, x.dtype)
         out[...] = np.mean(np.stack(xs), axis=0, dtype=wide)  # (the conversion of .astype(x.dtype))
         return out

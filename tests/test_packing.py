@@ -55,11 +55,11 @@ def test_packing_is_a_bijection_on_the_host_and_in_a_program(tree):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 300), max_size=3).map(tuple), st.sampled_from(DTYPES))
+@given(st.lists(st.integers(0, 40), max_size=3).map(tuple), st.sampled_from(DTYPES))
 def test_an_aligned_host_buffer_is_taken_by_a_cpu_device_without_a_copy(shape, dtype):
     x = aligned_empty(shape, dtype)
     assert x.shape == shape and x.dtype == np.dtype(dtype) and (x.size == 0 or x.ctypes.data % ALIGNMENT == 0)
-    x[...] = np.arange(x.size).reshape(shape).astype(dtype)
+    x[...] = (np.arange(x.size) % 100).reshape(shape).astype(dtype)
     on_device = jax.device_put(x, jax.devices("cpu")[0])
     np.testing.assert_array_equal(np.asarray(on_device), x)
     if x.size:  # (the device's buffer is the array's memory: no copy on a CPU)
