@@ -27,14 +27,19 @@ from asgd_jax import errors
 __all__ = ["Writer", "load", "load_model", "read_header", "read_json", "save", "save_model", "write_json"]
 
 _HEADER = "__header__"
+_DTYPES = "__dtypes__"  # each leaf's dtype, by name (a checkpoint written before they were kept has none)
 
 
 def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
-    """Writes ``state`` (a pytree of arrays), extra host ``arrays`` and a JSON ``header`` atomically to ``path``."""
-    leaves = jax.device_get(jax.tree.leaves(state))
-    payload: dict[str, Any] = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
+    """Writes ``state`` (a pytree of arrays), extra host ``arrays`` and a JSON ``header`` atomically to ``path``.
+
+    A leaf of a dtype NumPy does not know (ml_dtypes' bfloat16, float8, int4: ``.npz`` would keep raw bytes, or a
+    descriptor ``np.load`` cannot read) is stored as unsigned integers of its size, its dtype's name beside it."""
+    leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state))]
+    payload: dict[str, Any] = {f"leaf_{i:05d}": _storable(x) for i, x in enumerate(leaves)}
     payload.update({f"array_{k}": np.asarray(v) for k, v in arrays.items()})
     payload[_HEADER] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    payload[_DTYPES] = np.frombuffer(json.dumps([str(x.dtype) for x in leaves]).encode(), np.uint8)
     _atomic_write(path, ".npz", "wb", lambda f: np.savez(f, **payload))
 
 
@@ -105,11 +110,16 @@ def load(path: str | os.PathLike, template: Any) -> tuple[Any, dict[str, np.ndar
 
 
 def _typed(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """A leaf as read, in the template's dtype where NumPy kept only its bytes: ``.npz`` stores a dtype NumPy does not
-    name (ml_dtypes' bfloat16, float8, ...) as raw bytes of its size (``|V2``), read back as such. The same bytes, a
-    view (a leaf of another size or kind stays as it is, and is refused as another configuration's)."""
-    raw = array.dtype.kind == "V" and array.dtype.fields is None
-    return array.view(dtype) if raw and dtype.kind == "V" and array.dtype.itemsize == dtype.itemsize else array
+    """A leaf of a checkpoint from before the dtypes were recorded, in the template's dtype where ``.npz`` kept only
+    its bytes: a bfloat16 leaf was stored as ``|V2`` (the only 2-byte dtype of ml_dtypes; a 1-byte one's raw bytes
+    could be any of a dozen, and stay refused). The same bytes, a view."""
+    raw = array.dtype.kind == "V" and array.dtype.fields is None and array.dtype.itemsize == 2
+    return array.view(dtype) if raw and dtype.kind == "V" and dtype.itemsize == 2 else array
+
+
+def _storable(x: np.ndarray) -> np.ndarray:
+    """``x`` as ``.npz`` stores faithfully: as it is, or (a dtype NumPy does not know) its bytes as unsigned ints."""
+    return x if x.dtype.isbuiltin == 1 or x.dtype.fields is not None else x.view(f"u{x.dtype.itemsize}")
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
@@ -129,12 +139,24 @@ def _read(path: str) -> tuple[dict[str, Any], list[np.ndarray], dict[str, np.nda
                 raise errors.ConfigError(damaged.format("no asgd_jax header"))
             header = json.loads(bytes(f[_HEADER]).decode())
             leaves = [f[k] for k in sorted(k for k in f.files if k.startswith("leaf_"))]
+            if _DTYPES in f.files:  # (a leaf stored as unsigned integers: in its own dtype again)
+                names = json.loads(bytes(f[_DTYPES]).decode())
+                leaves = [x if str(x.dtype) == n else x.view(np.dtype(n)) for x, n in zip(leaves, names, strict=True)]
             arrays = {k[len("array_") :]: f[k] for k in f.files if k.startswith("array_")}
     except errors.ConfigError:
         raise
     except FileNotFoundError:
         raise errors.ConfigError(f"{path} does not exist.") from None
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError) as e:
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        EOFError,
+        KeyError,
+        zipfile.BadZipFile,
+        zlib.error,
+        UnicodeDecodeError,
+    ) as e:
         raise errors.ConfigError(damaged.format(f"{type(e).__name__}: {e}"[:200])) from None
     if not isinstance(header, dict):
         raise errors.ConfigError(damaged.format("its header is not a JSON object"))

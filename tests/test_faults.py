@@ -464,14 +464,36 @@ def test_files_that_are_not_traces_or_models_are_named(tmp_path):
 
 
 def test_a_saved_model_of_ml_dtypes_weights_loads_back_and_a_misfit_is_still_named(tmp_path):
-    # .npz keeps a dtype NumPy does not name as raw bytes (|V2 for bfloat16): read back in the model's own dtype.
+    # .npz keeps a dtype NumPy does not name as raw bytes (|V2 for bfloat16, |V1 for a dozen 1-byte ones) or with a
+    # descriptor np.load cannot read (float8_e5m2's <f1): each leaf's dtype is kept beside it, by name.
     import ml_dtypes
 
-    params = {"w": np.asarray([1.5, -2.0, 3.25], ml_dtypes.bfloat16), "s": np.ones(2, ml_dtypes.float8_e4m3fn)}
+    params = {
+        "w": np.asarray([1.5, -2.0, 3.25], ml_dtypes.bfloat16),
+        "s": np.asarray([1.0, -0.5], ml_dtypes.float8_e4m3fn),
+        "e": np.asarray([2.0, 0.25], ml_dtypes.float8_e5m2),
+        "q": np.asarray([-3, 5], ml_dtypes.int4),
+    }
     checkpoint.save_model(tmp_path / "model.npz", params, None)
     loaded, _ = checkpoint.load_model(tmp_path / "model.npz", jax.tree.map(np.zeros_like, params))
     for name, x in params.items():
         assert loaded[name].dtype == x.dtype and loaded[name].tobytes() == x.tobytes(), name
-    float16 = {"w": np.zeros(3, np.float16), "s": params["s"]}  # the same bytes' size, another kind of float
-    with pytest.raises(ConfigError, match=r"leaf \d is \|V2\[3\] but this run needs float16\[3\]"):
-        checkpoint.load_model(tmp_path / "model.npz", float16)
+    for leaf, other in (("w", np.float16), ("s", ml_dtypes.int4), ("s", ml_dtypes.float8_e4m3b11fnuz)):
+        template = {**params, leaf: np.zeros(params[leaf].shape, other)}  # the same bytes' size, another dtype
+        with pytest.raises(
+            ConfigError, match=rf"leaf \d is {params[leaf].dtype}\[\d\] but this run needs {np.dtype(other)}"
+        ):
+            checkpoint.load_model(tmp_path / "model.npz", template)
+
+
+def test_a_bfloat16_checkpoint_from_before_dtypes_were_kept_still_loads_and_a_1_byte_one_is_refused(tmp_path):
+    import ml_dtypes
+
+    header = np.frombuffer(json.dumps({"kind": "model"}).encode(), np.uint8)
+    w, s8 = np.asarray([1.5, -2.0], ml_dtypes.bfloat16), np.asarray([1.0], ml_dtypes.float8_e4m3fn)
+    np.savez(tmp_path / "old.npz", leaf_00000=w, __header__=header)  # (np.savez: the bytes, as |V2)
+    loaded, _ = checkpoint.load_model(tmp_path / "old.npz", np.zeros(2, ml_dtypes.bfloat16))
+    assert loaded.dtype == w.dtype and loaded.tobytes() == w.tobytes()
+    np.savez(tmp_path / "old8.npz", leaf_00000=s8, __header__=header)  # |V1: any of a dozen 1-byte dtypes
+    with pytest.raises(ConfigError, match=r"leaf 0 is \|V1\[1\] but this run needs float8_e4m3fn\[1\]"):
+        checkpoint.load_model(tmp_path / "old8.npz", np.zeros(1, ml_dtypes.float8_e4m3fn))
