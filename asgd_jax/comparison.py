@@ -212,9 +212,7 @@ def compare(
 
 def _values(rule: str, name: str, values: Any) -> list[float]:
     ok = isinstance(values, Sequence | np.ndarray) and not isinstance(values, str) and len(values) > 0
-    ok = ok and all(
-        isinstance(v, int | float | np.number) and not isinstance(v, bool) and math.isfinite(v) for v in values
-    )
+    ok = ok and all(errors.is_number(v) and math.isfinite(v) for v in values)
     errors.require(ok, f"grids[{rule!r}][{name!r}]", values, "give a non-empty list of finite numbers")
     return [float(v) for v in values]
 

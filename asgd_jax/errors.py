@@ -32,6 +32,7 @@ __all__ = [
     "finite_number",
     "int_at_least",
     "is_int",
+    "is_number",
     "is_numeric",
     "output_folder",
     "positive_int",
@@ -89,12 +90,19 @@ def is_numeric(dtype: Any) -> bool:
     return d != np.bool_ and d.kind != "m" and bool(real)  # (NumPy counts a timedelta64 as an integer)
 
 
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is one real number given in Python: an int or a float, or a NumPy or ml_dtypes scalar of
+    :func:`is_numeric`'s dtypes (a ``bfloat16`` one is no ``np.number``); not a bool."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    return isinstance(value, int | float) or (isinstance(value, np.generic) and is_numeric(value.dtype))
+
+
 def finite_number(
     name: str, value: Any, *, lowest: float | None = None, positive: bool = False, flag: str | None = None
 ) -> float:
     """``value`` as a float, if it is a finite real number (>= ``lowest``, or > 0 with ``positive``)."""
-    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
-    ok = ok and math.isfinite(float(value))
+    ok = is_number(value) and math.isfinite(float(value))
     if positive:
         require(ok and float(value) > 0, name, value, "use a finite number > 0", flag)
     elif lowest is not None:

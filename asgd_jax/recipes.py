@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from asgd_jax.errors import ConfigError
@@ -243,8 +244,10 @@ def _is_rule(value: Any) -> bool:
 def _is_number(value: Any, int_is_number: bool) -> bool:
     if isinstance(value, bool | np.bool_):
         return False
-    if isinstance(value, float | np.floating):
-        return True
+    if isinstance(value, float | np.floating) or (
+        isinstance(value, np.generic) and jnp.issubdtype(value.dtype, jnp.floating)
+    ):
+        return True  # (a bfloat16 scalar is no np.floating)
     if isinstance(value, int | np.integer):
         return int_is_number
     return isinstance(value, np.ndarray | jax.Array)

@@ -200,9 +200,15 @@ FLOATS = [np.float16, jnp.bfloat16, np.float32, np.float64]  # (NumPy does not c
 @given(dtype=st.sampled_from(FLOATS), value=st.floats(0.01, 4.0), bad=non_finite)
 def test_a_number_of_any_float_dtype_is_taken_where_a_number_belongs_and_a_non_finite_one_is_named(dtype, value, bad):
     number, nan = np.asarray(value, dtype), np.asarray(bad, dtype)
+    scalar = number[()]  # (a bfloat16 scalar is an np.generic, no np.number)
     # A rule's numbers, a delay model's, a sweep's hyperparameters: taken (a bfloat16 one was "not a finite number").
     assert rules.get("dc_asgd_a", number, lam=number) is not None
+    assert set(asgd_jax.recipes.of(rules.get("dc_asgd_a", scalar, lam=scalar)).numbers) >= {"learning_rate", "lam"}
+    assert rules.weight_decayed(asgd_jax.asgd(0.1), scalar) is not None
     assert delays.Workers(3, sigma=number).sigma is number
+    assert float(delays.Links(latency=number).latency) == float(np.float32(scalar))  # (kept in float32)
+    assert asgd_jax.Plan(2, n_sync=2, push="delta", local_lr=scalar).local_lr == float(scalar)
+    assert float(asgd_jax.grid(seeds=[0], lam=[scalar])[1]["lam"][0]) == float(np.float32(scalar))
     factory = lambda hp: asgd_jax.dc_asgd(0.05, hp["lam"], adaptive=True)
     keys, _ = asgd_jax.grid(seeds=[0, 1])
     hparams = {"lam": np.full(2, value, dtype)}

@@ -140,7 +140,7 @@ def worker_numbers(name: str, value: Any, ok, expected: str) -> Any:
     if not is_concrete(value):
         return value
     try:
-        bad = isinstance(value, bool | str | bytes) or np.asarray(value).dtype.kind not in "iuf"
+        bad = isinstance(value, bool | str | bytes) or not errors.is_numeric(np.asarray(value).dtype)
         array = np.asarray(value, np.float64)
     except (TypeError, ValueError):
         bad, array = True, np.zeros(0)

@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from asgd_jax import errors
@@ -32,7 +31,7 @@ def weight_decayed(rule: Any, rate: float | jax.Array) -> Any:
       Array([-0.2], dtype=float32)
     """
     errors.require(
-        isinstance(rate, jax.core.Tracer) or (isinstance(rate, int | float | np.number) and float(rate) >= 0),
+        isinstance(rate, jax.core.Tracer) or (errors.is_number(rate) and float(rate) >= 0),
         "weight_decay",
         rate,
         "use a finite number >= 0",

@@ -397,7 +397,7 @@ def grid(*, seeds: Sequence[int], **values: Sequence[float]) -> tuple[jax.Array,
     for name in names:
         vals = values[name]
         ok = isinstance(vals, Sequence | np.ndarray) and not isinstance(vals, str) and len(vals) > 0
-        ok = ok and all(isinstance(v, int | float | np.number) and np.isfinite(v) for v in vals)
+        ok = ok and all(errors.is_number(v) and np.isfinite(v) for v in vals)
         errors.require(ok, name, vals, "give a non-empty list of finite numbers")
     rows = list(itertools.product(seeds, *(list(values[n]) for n in names)))
     keys = jax.vmap(jax.random.key)(jnp.asarray([r[0] for r in rows], jnp.uint32))
