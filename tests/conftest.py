@@ -56,11 +56,20 @@ def scratch_tempdir(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_temp_dir():
-    """A root folder of its own for a module's Ray instances (their sessions: logs, sockets, spilled objects),
-    removed after the module: Ray keeps every session under /tmp/ray otherwise, three more a suite. Short and in /tmp,
-    as Ray's own default: its sockets' paths must fit in 107 characters (a pytest folder's do not)."""
+    """A root folder of its own for a module's Ray instances (their sessions: logs, sockets, spilled objects; a local
+    cluster's address file), removed after the module: Ray keeps every session under /tmp/ray otherwise, three more a
+    suite. Given as ``RAY_TMPDIR``, which Ray reads wherever it picks a folder (``ray.cluster_utils.Cluster`` writes
+    its address to the default one even when given another, and fails where /tmp/ray does not exist). Short and in
+    /tmp, as Ray's own default: its sockets' paths must fit in 107 characters (a pytest folder's do not)."""
     path = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    os.makedirs(os.path.join(path, "ray"))
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = path
     yield path
+    if before is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = before
     shutil.rmtree(path, ignore_errors=True)  # (a killed actor's process may still be writing its last log line)
 
 

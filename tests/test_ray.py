@@ -45,13 +45,7 @@ def rule():
 
 @pytest.fixture(scope="module")
 def local_ray(ray_temp_dir):
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        log_to_driver=False,
-        _temp_dir=ray_temp_dir,
-    )
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
     for module in (sys.modules[__name__], lsq_problem):  # the workers cannot import the test modules
         ray.cloudpickle.register_pickle_by_value(module)
     yield ray

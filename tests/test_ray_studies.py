@@ -53,13 +53,7 @@ def _same(a, b) -> None:
 
 @pytest.fixture(scope="module")
 def local_ray(ray_temp_dir):
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        log_to_driver=False,
-        _temp_dir=ray_temp_dir,
-    )
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -112,8 +106,8 @@ def test_a_two_node_cluster_that_loses_a_node_gives_the_same_result(study_file, 
     from ray.cluster_utils import Cluster
 
     ray.shutdown()  # the local instance of the tests above: the cluster has its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": ray_temp_dir})
-    worker = cluster.add_node(num_cpus=1, temp_dir=ray_temp_dir)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    worker = cluster.add_node(num_cpus=1)
     try:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         study = studies.load(str(study_file))
