@@ -194,6 +194,7 @@ def test_rules_get_rejects_unknown_names_and_bad_numbers(name, learning_rate, la
 
 
 FLOATS = [np.float16, jnp.bfloat16, np.float32, np.float64]  # (NumPy does not count bfloat16 as a number)
+LAM_SWEEP = lambda hp: asgd_jax.dc_asgd(0.05, hp["lam"], adaptive=True)  # (one object: one program per dtype)
 
 
 @SETTINGS
@@ -209,7 +210,7 @@ def test_a_number_of_any_float_dtype_is_taken_where_a_number_belongs_and_a_non_f
     assert float(delays.Links(latency=number).latency) == float(np.float32(scalar))  # (kept in float32)
     assert asgd_jax.Plan(2, n_sync=2, push="delta", local_lr=scalar).local_lr == float(scalar)
     assert float(asgd_jax.grid(seeds=[0], lam=[scalar])[1]["lam"][0]) == float(np.float32(scalar))
-    factory = lambda hp: asgd_jax.dc_asgd(0.05, hp["lam"], adaptive=True)
+    factory = LAM_SWEEP
     keys, _ = asgd_jax.grid(seeds=[0, 1])
     hparams = {"lam": np.full(2, value, dtype)}
     run = asgd_jax.sweep(lsq_loss, factory, W0, DATA, PLAN, keys=keys, hparams=hparams, progress=False)

@@ -129,7 +129,9 @@ def check_array(name: str, value: Any, ok, expected: str, per_update: bool = Fal
         array = np.asarray(None)
     numeric = errors.is_numeric(array.dtype)
     fits = array.ndim == 1 and array.size > 0 if per_update else array.ndim == 0
-    if not (numeric and fits) or not bool(np.all(np.isfinite(array) & ok(array))):
+    with np.errstate(invalid="ignore"):  # (NaN compared: refused below, not warned about first)
+        good = numeric and fits and bool(np.all(np.isfinite(array) & ok(array)))
+    if not good:
         what = "a 1-D list of ints" if per_update else "a finite number"
         raise errors.ConfigError(f"{name}={value!r} is invalid: {name} must be {what} {expected}.")
 

@@ -36,7 +36,8 @@ def _check(name: str, value: Any, ok, expected: str) -> None:
     # (np.generic: ml_dtypes' scalars, a bfloat16 one, are no np.number; a bool's dtype is refused below)
     numeric = isinstance(value, int | float | np.generic | np.ndarray | jax.Array) and not isinstance(value, bool)
     v = np.asarray(value) if numeric else None
-    good = numeric and errors.is_numeric(v.dtype) and bool(np.all(np.isfinite(v) & ok(v)))
+    with np.errstate(invalid="ignore"):  # (NaN compared: refused below, not warned about first)
+        good = numeric and errors.is_numeric(v.dtype) and bool(np.all(np.isfinite(v) & ok(v)))
     errors.require(good, name, value, f"{name} must be a finite number {expected}")
 
 
