@@ -497,3 +497,14 @@ def test_a_bfloat16_checkpoint_from_before_dtypes_were_kept_still_loads_and_a_1_
     np.savez(tmp_path / "old8.npz", leaf_00000=s8, __header__=header)  # |V1: any of a dozen 1-byte dtypes
     with pytest.raises(ConfigError, match=r"leaf 0 is \|V1\[1\] but this run needs float8_e4m3fn\[1\]"):
         checkpoint.load_model(tmp_path / "old8.npz", np.zeros(1, ml_dtypes.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("names", [b'["no_such_dtype"]', b'["float32", "float32"]', b"not json"])
+def test_a_checkpoint_whose_dtype_names_are_damaged_is_named_damaged(tmp_path, names):
+    checkpoint.save_model(tmp_path / "model.npz", np.zeros(3, np.float32), None)
+    with np.load(tmp_path / "model.npz") as f:
+        contents = {k: f[k] for k in f.files}
+    contents["__dtypes__"] = np.frombuffer(names, np.uint8)
+    np.savez(tmp_path / "model.npz", **contents)
+    with pytest.raises(ConfigError, match=r"model\.npz is not a readable checkpoint"):
+        checkpoint.load_model(tmp_path / "model.npz", np.zeros(3, np.float32))
