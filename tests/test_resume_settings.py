@@ -55,3 +55,17 @@ def test_a_checkpoint_from_before_these_keys_still_resumes_and_is_checked_on_the
         check_header("checkpoint.npz", {**older, "rule": "xyz"}, now)
     with pytest.raises(ConfigError, match="loss: checkpoint 'other' vs now 'l'"):
         check_header("checkpoint.npz", {**older, "loss": "other"}, now)
+
+
+def test_a_long_setting_that_differs_is_named_by_the_part_that_changed():
+    """A rule's recipe is hundreds of characters; the refusal shows where the two differ (here a schedule's
+    boundaries, which follow --steps), not both whole."""
+    recipe = (
+        "((rules.dc_asgd_a, (('learning_rate', ('made', (schedules.piecewise, {}))))), {{'boundaries': {}, 'f': 0.1}})"
+    )
+    saved, now = recipe.format("x" * 200, (15, 22)), recipe.format("x" * 200, (20, 30))
+    with pytest.raises(ConfigError) as refused:
+        check_header("checkpoint.npz", {"recipe": saved}, {"recipe": now})
+    message = str(refused.value)
+    assert "'boundaries': (15, 22)" in message and "'boundaries': (20, 30)" in message
+    assert "x" * 30 not in message and len(message) < len(saved)
