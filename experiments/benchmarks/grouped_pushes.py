@@ -15,28 +15,18 @@ It prints both medians (us), their ratio, and whether the final state and the K 
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from store_push import median_us  # (this folder's: a script's own folder is on sys.path)
 
 import asgd_jax
 from asgd_jax.trainer.store import ParameterStore
 
 K = 4
 MODELS = {"cnn": (8, 8, 1), "resnet20": (32, 32, 3)}
-
-
-def median_us(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
 
 
 def measure(params, rule_name: str, n: int) -> tuple[float, float, bool]:
