@@ -29,6 +29,7 @@ __all__ = [
     "MissingDependency",
     "RunStopped",
     "choice",
+    "differing",
     "finite_number",
     "int_at_least",
     "is_int",
@@ -77,6 +78,24 @@ def int_at_least(name: str, value: Any, lowest: int, flag: str | None = None) ->
 def positive_int(name: str, value: Any, flag: str | None = None) -> int:
     """``value`` as an int, if it is an int >= 1."""
     return int_at_least(name, value, 1, flag)
+
+
+def differing(a: Any, b: Any, context: int = 24) -> tuple[str, str]:
+    """Two values as a refusal names them: their reprs whole when short, else the part where they differ with
+    ``context`` characters around it (a rule's recipe runs to hundreds of characters; what changed is a number)."""
+    ra, rb = repr(a), repr(b)
+    if max(len(ra), len(rb)) <= 2 * context + 32:
+        return ra, rb
+    same = lambda x, y: next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+    head = same(ra, rb)
+    tail = same(ra[head:][::-1], rb[head:][::-1])
+    lo = max(0, head - context)
+
+    def window(r: str) -> str:
+        hi = min(len(r), len(r) - tail + context, lo + 4 * context + 32)  # (a long change: its start)
+        return ("…" if lo else "") + r[lo:hi] + ("…" if hi < len(r) else "")
+
+    return window(ra), window(rb)
 
 
 def is_numeric(dtype: Any) -> bool:

@@ -13,6 +13,7 @@ from helpers.reference import ReferenceServer, lsq_grad
 
 import asgd_jax
 from asgd_jax import delays
+from asgd_jax.errors import ConfigError
 
 RULES = {
     "asgd": (lambda: asgd_jax.asgd(0.05), {"lam": None}),
@@ -208,6 +209,20 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
 
     with pytest.raises(ValueError, match="key"):  # a checkpoint of another run is refused, not silently mixed in
         simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, key=9, **common)
+
+
+def test_a_resume_with_other_settings_is_refused_naming_what_changed(tmp_path):
+    def crash(done, state):
+        if done == 20:
+            raise KeyboardInterrupt
+
+    rule = asgd_jax.asgd(0.05)
+    with pytest.raises(KeyboardInterrupt):
+        simulate_lsq(rule, delays.Workers(4), num_updates=40, chunk=10, checkpoint_dir=tmp_path, callback=crash)
+    with pytest.raises(ConfigError, match=r"different num_updates \(40 then, 60 now\)"):
+        simulate_lsq(rule, delays.Workers(4), num_updates=60, chunk=10, checkpoint_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"different plan \(.*batch_size=8.* then, .*batch_size=16.* now\)"):
+        simulate_lsq(rule, delays.Workers(4), num_updates=40, chunk=10, checkpoint_dir=tmp_path, batch_size=16)
 
 
 def test_a_bfloat16_run_resumes_from_its_checkpoint_bit_identical(tmp_path):

@@ -74,9 +74,14 @@ def _resume(path: str, template: Any, header: dict[str, Any], axis: int) -> tupl
     state, arrays, saved = ckpt.load(path, template)
     mismatched = [k for k in header if saved.get(k) != header[k]]
     if mismatched:
+        shown = lambda k: (
+            k
+            if k in ("key", "numbers")
+            else "{} ({} then, {} now)".format(k, *errors.differing(saved.get(k), header[k]))
+        )
         raise errors.ConfigError(
-            f"Checkpoint {path} was written by a run with different {', '.join(mismatched)}: resume with the "
-            "same key, plan and numbers, or use another checkpoint_dir."
+            f"Checkpoint {path} was written by a run with different {', '.join(map(shown, mismatched))}: resume with "
+            "the same key, plan and numbers, or use another checkpoint_dir."
         )
     metrics = {k[2:]: v for k, v in arrays.items() if k.startswith("m/")}
     stacked = {k[2:]: v for k, v in arrays.items() if k.startswith("e/")}

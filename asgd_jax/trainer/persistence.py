@@ -17,7 +17,7 @@ from typing import Any
 from asgd_jax import checkpoint, errors, trace
 from asgd_jax.trainer.session import CHECKPOINT
 
-__all__ = ["ADDED_LATER", "Checkpoints", "check_header", "check_resume", "differing", "trace_pin"]
+__all__ = ["ADDED_LATER", "Checkpoints", "check_header", "check_resume", "trace_pin"]
 
 ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps", "partition"})
 """Header keys that older checkpoints do not hold (``partition``: before data partitions; the others: before
@@ -36,30 +36,13 @@ def check_header(path: str, saved: dict[str, Any], header: dict[str, Any]) -> No
     mismatched = {k: (saved.get(k), v) for k, v in checked.items() if saved.get(k) != v}
     if mismatched:
         details = ", ".join(
-            f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in ((k, differing(*v)) for k, v in mismatched.items())
+            f"{k}: checkpoint {a} vs now {b}"
+            for k, (a, b) in ((k, errors.differing(*v)) for k, v in mismatched.items())
         )
         raise errors.ConfigError(
             f"Cannot resume from {path}: it was written by a different run ({details}). "
             "Use the same settings, or another output folder."
         )
-
-
-def differing(a: Any, b: Any, context: int = 24) -> tuple[str, str]:
-    """Two values as a refusal names them: their reprs whole when short, else the part where they differ with
-    ``context`` characters around it (a rule's recipe runs to hundreds of characters; what changed is a number)."""
-    ra, rb = repr(a), repr(b)
-    if max(len(ra), len(rb)) <= 2 * context + 32:
-        return ra, rb
-    same = lambda x, y: next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
-    head = same(ra, rb)
-    tail = same(ra[head:][::-1], rb[head:][::-1])
-    lo = max(0, head - context)
-
-    def window(r: str) -> str:
-        hi = min(len(r), len(r) - tail + context, lo + 4 * context + 32)  # (a long change: its start)
-        return ("…" if lo else "") + r[lo:hi] + ("…" if hi < len(r) else "")
-
-    return window(ra), window(rb)
 
 
 def check_resume(out_dir: str | os.PathLike, header: dict[str, Any]) -> None:
