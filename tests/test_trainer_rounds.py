@@ -7,9 +7,10 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss, replay_clean, straggler_waits_first
+from helpers.problems import DATA, W0, lsq_loss, replay_clean, simulate_clean, straggler_waits_first
 
 import asgd_jax
 from asgd_jax import delays, trace
@@ -128,3 +129,16 @@ def test_a_resumed_round_method_run_continues_its_trace_and_replays(tmp_path, mo
     assert sum(not x.get("ignored") for x in lines) == 30
     replayed = replay_clean(tmp_path, SGD_SMALL, seed=5)
     np.testing.assert_allclose(replayed.params, resumed.params, rtol=1e-6, atol=1e-7)
+
+
+def test_ssgd_on_bfloat16_weights_is_the_simulators_ssgd():
+    """A bfloat16 model's rounds average the workers' payloads (they applied worker 0's: NumPy does not count
+    bfloat16 as a float), to the simulator's weights."""
+    weights = jnp.asarray(W0, jnp.bfloat16)
+    plan = Plan(2, mode="sync", num_updates=20, batch_size=4)
+    result = train(
+        lsq_loss, SGD_SMALL, weights, DATA, TrainConfig(plan, seed=3, progress=False), devices=jax.devices()[:2]
+    )
+    simulated = simulate_clean(SGD_SMALL, delays.Workers(2), 20, key=3, params=weights, mode="sync")
+    assert result.params.dtype == jnp.bfloat16 and result.pushes_applied == 20
+    np.testing.assert_array_equal(np.asarray(result.params), np.asarray(simulated.params))
