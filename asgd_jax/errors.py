@@ -104,9 +104,8 @@ def is_numeric(dtype: Any) -> bool:
     know ml_dtypes' floats.)"""
     import jax.numpy as jnp
 
-    d = np.dtype(dtype)
-    real = jnp.issubdtype(d, jnp.integer) or jnp.issubdtype(d, jnp.floating)
-    return d != np.bool_ and d.kind != "m" and bool(real)  # (NumPy counts a timedelta64 as an integer)
+    d = np.dtype(dtype)  # (a bool is neither; NumPy counts a timedelta64 as an integer)
+    return d.kind != "m" and bool(jnp.issubdtype(d, jnp.integer) or jnp.issubdtype(d, jnp.floating))
 
 
 def is_number(value: Any) -> bool:

@@ -244,10 +244,8 @@ def _is_rule(value: Any) -> bool:
 def _is_number(value: Any, int_is_number: bool) -> bool:
     if isinstance(value, bool | np.bool_):
         return False
-    if isinstance(value, float | np.floating) or (
-        isinstance(value, np.generic) and jnp.issubdtype(value.dtype, jnp.floating)
-    ):
-        return True  # (a bfloat16 scalar is no np.floating)
+    if isinstance(value, float) or (isinstance(value, np.generic) and jnp.issubdtype(value.dtype, jnp.floating)):
+        return True  # (NumPy's floats and ml_dtypes' scalars alike: a bfloat16 one is no np.floating)
     if isinstance(value, int | np.integer):
         return int_is_number
     return isinstance(value, np.ndarray | jax.Array)

@@ -210,10 +210,9 @@ def test_a_number_of_any_float_dtype_is_taken_where_a_number_belongs_and_a_non_f
     assert float(delays.Links(latency=number).latency) == float(np.float32(scalar))  # (kept in float32)
     assert asgd_jax.Plan(2, n_sync=2, push="delta", local_lr=scalar).local_lr == float(scalar)
     assert float(asgd_jax.grid(seeds=[0], lam=[scalar])[1]["lam"][0]) == float(np.float32(scalar))
-    factory = LAM_SWEEP
     keys, _ = asgd_jax.grid(seeds=[0, 1])
     hparams = {"lam": np.full(2, value, dtype)}
-    run = asgd_jax.sweep(lsq_loss, factory, W0, DATA, PLAN, keys=keys, hparams=hparams, progress=False)
+    run = asgd_jax.sweep(lsq_loss, LAM_SWEEP, W0, DATA, PLAN, keys=keys, hparams=hparams, progress=False)
     assert run.params.shape[0] == 2 and np.isfinite(run.params).all()
     # The same dtype, not finite: refused, naming it.
     with pytest.raises(ConfigError, match="learning_rate"):
@@ -222,7 +221,7 @@ def test_a_number_of_any_float_dtype_is_taken_where_a_number_belongs_and_a_non_f
         delays.Workers(3, sigma=nan)
     _raises_config_error_without_compiling(
         lambda: asgd_jax.sweep(
-            lsq_loss, factory, W0, DATA, PLAN, keys=keys, hparams={"lam": np.full(2, bad, dtype)}, progress=False
+            lsq_loss, LAM_SWEEP, W0, DATA, PLAN, keys=keys, hparams={"lam": np.full(2, bad, dtype)}, progress=False
         )
     )
 

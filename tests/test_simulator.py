@@ -188,18 +188,24 @@ def test_sweep_over_delay_parameters_equals_separate_runs():
     assert swept.metrics["time"][1, -1] > 2 * swept.metrics["time"][0, -1]
 
 
+def crash_at(update: int):
+    """A callback that stops a run as a Ctrl-C would, once ``update`` updates are done."""
+
+    def crash(done, state):
+        if done == update:
+            raise KeyboardInterrupt
+
+    return crash
+
+
 def test_resume_from_checkpoint_is_bit_identical(tmp_path):
     rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, momentum=0.5)
     eval_fn = lambda w, _: {"loss": lsq_loss(w, DATA)}
     common = dict(num_updates=60, eval_fn=eval_fn, eval_every=10)
     full = simulate_lsq(rule, delays.Workers(4), **common)
 
-    def crash(done, state):
-        if done == 30:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, callback=crash, **common)
+        simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, callback=crash_at(30), **common)
     resumed = simulate_lsq(rule, delays.Workers(4), checkpoint_dir=tmp_path, **common)
     np.testing.assert_array_equal(resumed.params, full.params)
     assert set(resumed.metrics) == set(full.metrics)
@@ -212,13 +218,9 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path):
 
 
 def test_a_resume_with_other_settings_is_refused_naming_what_changed(tmp_path):
-    def crash(done, state):
-        if done == 20:
-            raise KeyboardInterrupt
-
     rule = asgd_jax.asgd(0.05)
     with pytest.raises(KeyboardInterrupt):
-        simulate_lsq(rule, delays.Workers(4), num_updates=40, chunk=10, checkpoint_dir=tmp_path, callback=crash)
+        simulate_lsq(rule, delays.Workers(4), num_updates=40, chunk=10, checkpoint_dir=tmp_path, callback=crash_at(20))
     with pytest.raises(ConfigError, match=r"different num_updates \(40 then, 60 now\)"):
         simulate_lsq(rule, delays.Workers(4), num_updates=60, chunk=10, checkpoint_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"different plan \(.*batch_size=8.* then, .*batch_size=16.* now\)"):
@@ -233,12 +235,8 @@ def test_a_bfloat16_run_resumes_from_its_checkpoint_bit_identical(tmp_path):
     run = lambda **kw: asgd_jax.simulate(lsq_loss, rule, params, DATA, plan, progress=False, **kw)
     full = run()
 
-    def crash(done, state):
-        if done == 20:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        run(checkpoint_dir=tmp_path, callback=crash)
+        run(checkpoint_dir=tmp_path, callback=crash_at(20))
     resumed = run(checkpoint_dir=tmp_path)
     assert resumed.params.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(resumed.params), np.asarray(full.params))

@@ -36,8 +36,7 @@ def check_header(path: str, saved: dict[str, Any], header: dict[str, Any]) -> No
     mismatched = {k: (saved.get(k), v) for k, v in checked.items() if saved.get(k) != v}
     if mismatched:
         details = ", ".join(
-            f"{k}: checkpoint {a} vs now {b}"
-            for k, (a, b) in ((k, errors.differing(*v)) for k, v in mismatched.items())
+            "{}: checkpoint {} vs now {}".format(k, *errors.differing(*v)) for k, v in mismatched.items()
         )
         raise errors.ConfigError(
             f"Cannot resume from {path}: it was written by a different run ({details}). "

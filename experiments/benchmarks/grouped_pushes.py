@@ -37,9 +37,8 @@ def measure(params, rule_name: str, n: int) -> tuple[float, float, bool]:
         programs, numbers = server.programs, server.numbers
         rng = np.random.default_rng(0)
         sizes = list(zip(store.layout.sizes, store.layout.dtypes, strict=True))
-        payloads = [tuple(jax.device_put((rng.normal(size=k) * 1e-3).astype(d), device) for k, d in sizes)]
-        payloads += [tuple(jax.device_put((rng.normal(size=k) * 1e-3).astype(d), device) for k, d in sizes)]
-        payloads += payloads[:2]  # (K = 4 pushes, workers 0-3)
+        g = tuple(jax.device_put((rng.normal(size=k) * 1e-3).astype(d), device) for k, d in sizes)
+        payloads = [g, jax.tree.map(lambda x: -x, g)] * (K // 2)  # (K pushes, from workers 0 to K - 1)
         workers = [jax.device_put(np.int32(w), device) for w in range(K)]
         ok = jax.device_put(np.bool_(True), device)
         stacked = (jnp.stack(workers), jax.tree.map(lambda *x: jnp.stack(x), *payloads))
