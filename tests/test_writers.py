@@ -10,8 +10,10 @@ import dataclasses
 import json
 import pathlib
 import struct
+import threading
 
 import jax
+import numpy as np
 import pytest
 from helpers.problems import DATA, W0, lsq_loss
 
@@ -39,19 +41,49 @@ def read_events(folder: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _train(tmp_path, **kw):
+def _train(tmp_path, data=DATA, **kw):
     config = asgd_jax.TrainConfig(
         Plan(2, num_updates=200, batch_size=8), out=str(tmp_path), progress=False, log_every=0.05, **kw
     )
     evaluate = lambda w, _: {"loss": lsq_loss(w, DATA)}
     return lambda **more: asgd_jax.train(
-        lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config, eval_fn=evaluate, devices=jax.devices()[:2], **more
+        lsq_loss, asgd_jax.asgd(0.05), W0, data, config, eval_fn=evaluate, devices=jax.devices()[:2], **more
     )
 
 
+class GatedColumn:
+    """A data column that no worker thread can read before ``gate`` is set (the caller's thread, which checks and
+    fingerprints the data, reads it at once): the run cannot end before the driver has written a record of training,
+    however fast the machine (no test of the records may depend on timing)."""
+
+    def __init__(self, array, gate: threading.Event):
+        self.array, self.gate = np.asarray(array), gate
+
+    shape = property(lambda self: self.array.shape)
+    dtype = property(lambda self: self.array.dtype)
+    ndim = property(lambda self: self.array.ndim)
+
+    def __len__(self):
+        return len(self.array)
+
+    def __getitem__(self, index):
+        return self.array[index]
+
+    def __array__(self, dtype=None, copy=None):
+        if threading.current_thread() is not threading.main_thread() and not self.gate.wait(timeout=120):
+            raise TimeoutError("the driver wrote no training record in 120 s")
+        return self.array if dtype is None else self.array.astype(dtype)
+
+
 def test_the_trainer_writes_every_record_to_tensorboard_and_to_the_callback(tmp_path):
-    seen = []
-    _train(tmp_path, tensorboard=True)(on_metrics=seen.append)
+    seen, trained = [], threading.Event()
+
+    def sink(record):
+        seen.append(record)
+        if record["kind"] == "train":
+            trained.set()
+
+    _train(tmp_path, {"x": GatedColumn(DATA["x"], trained), "y": DATA["y"]}, tensorboard=True)(on_metrics=sink)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert seen == records and {r["kind"] for r in records} >= {"train", "eval", "final"}
     events = read_events(tmp_path / "tensorboard")
