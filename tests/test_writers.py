@@ -13,9 +13,8 @@ import struct
 import threading
 
 import jax
-import numpy as np
 import pytest
-from helpers.problems import DATA, W0, lsq_loss
+from helpers.problems import DATA, W0, Column, lsq_loss
 
 import asgd_jax
 from asgd_jax import studies, writers
@@ -51,28 +50,18 @@ def _train(tmp_path, data=DATA, **kw):
     )
 
 
-class GatedColumn:
+class GatedColumn(Column):
     """A data column that no worker thread can read before ``gate`` is set (the caller's thread, which checks and
     fingerprints the data, reads it at once): the run cannot end before the driver has written a record of training,
     however fast the machine (no test of the records may depend on timing)."""
 
     def __init__(self, array, gate: threading.Event):
-        self.array, self.gate = np.asarray(array), gate
+        super().__init__(array)
+        self.gate = gate
 
-    shape = property(lambda self: self.array.shape)
-    dtype = property(lambda self: self.array.dtype)
-    ndim = property(lambda self: self.array.ndim)
-
-    def __len__(self):
-        return len(self.array)
-
-    def __getitem__(self, index):
-        return self.array[index]
-
-    def __array__(self, dtype=None, copy=None):
+    def read(self) -> None:
         if threading.current_thread() is not threading.main_thread() and not self.gate.wait(timeout=120):
             raise TimeoutError("the driver wrote no training record in 120 s")
-        return self.array if dtype is None else self.array.astype(dtype)
 
 
 def test_the_trainer_writes_every_record_to_tensorboard_and_to_the_callback(tmp_path):

@@ -97,17 +97,16 @@ class BatchOrder:
         return NOISY["x"][idx].astype(np.float64), NOISY["y"][idx].astype(np.float64)
 
 
-class SlowColumn:
-    """A data column every read of which takes ``DELAY`` seconds (``np.asarray`` reads it, as a worker's loader does):
-    a slow data loader, injected into any backend (it travels to Ray's workers with the data)."""
-
-    DELAY = 0.05
+class Column:
+    """A data column over an array that does something each time it is read whole (``np.asarray`` reads it, as a
+    worker's loader does): :meth:`read` is that something."""
 
     def __init__(self, array):
         self.array = np.asarray(array)
 
     shape = property(lambda self: self.array.shape)
     dtype = property(lambda self: self.array.dtype)
+    ndim = property(lambda self: self.array.ndim)
 
     def __len__(self):
         return len(self.array)
@@ -115,9 +114,22 @@ class SlowColumn:
     def __getitem__(self, index):
         return self.array[index]
 
+    def read(self) -> None:
+        pass
+
     def __array__(self, dtype=None, copy=None):
-        time.sleep(self.DELAY)
+        self.read()
         return self.array if dtype is None else self.array.astype(dtype)
+
+
+class SlowColumn(Column):
+    """A data column every read of which takes ``DELAY`` seconds: a slow data loader, injected into any backend (it
+    travels to Ray's workers with the data)."""
+
+    DELAY = 0.05
+
+    def read(self) -> None:
+        time.sleep(self.DELAY)
 
 
 PUSH_ORDER = np.random.default_rng(4).integers(0, 3, size=60)  # a recorded order of pushes by 3 workers
