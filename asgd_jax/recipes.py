@@ -34,10 +34,9 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from asgd_jax.errors import ConfigError
+from asgd_jax.errors import ConfigError, is_number
 
 __all__ = ["Recipe", "describe", "elementwise", "of", "recipe"]
 
@@ -242,12 +241,8 @@ def _is_rule(value: Any) -> bool:
 
 
 def _is_number(value: Any, int_is_number: bool) -> bool:
-    if isinstance(value, bool | np.bool_):
-        return False
-    if isinstance(value, float) or (isinstance(value, np.generic) and jnp.issubdtype(value.dtype, jnp.floating)):
-        return True  # (NumPy's floats and ml_dtypes' scalars alike: a bfloat16 one is no np.floating)
-    if isinstance(value, int | np.integer):
-        return int_is_number
+    if is_number(value):  # (a float of Python, NumPy or ml_dtypes: a bfloat16 scalar is no np.floating)
+        return int_is_number or not isinstance(value, int | np.integer)
     return isinstance(value, np.ndarray | jax.Array)
 
 

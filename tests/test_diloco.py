@@ -10,7 +10,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from helpers.problems import PUSH_ORDER, W1, BatchOrder, simulate_lsq
+from helpers.problems import PUSH_ORDER, W1, BatchOrder, crash_at, simulate_lsq
 from helpers.reference import lsq_grad
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,12 +183,8 @@ def test_an_inner_optimizer_compiles_once_for_every_local_lr_and_resumes_from_it
         other = run(0.01)
     assert sum(counts.values()) == 0 and not np.array_equal(other.params, full.params)  # a number, not a constant
 
-    def crash(done, state):
-        if done == 12:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        run(0.02, checkpoint_dir=tmp_path, callback=crash)
+        run(0.02, checkpoint_dir=tmp_path, callback=crash_at(12))
     resumed = run(0.02, checkpoint_dir=tmp_path)
     np.testing.assert_array_equal(resumed.params, full.params)  # the workers' AdamW states came back with it
     jax.tree.map(np.testing.assert_array_equal, resumed.state.workers, full.state.workers)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import optimal_time as ref
 from helpers.compiles import compilations
-from helpers.problems import NOISY, W1, lsq_loss, simulate_lsq
+from helpers.problems import NOISY, W1, crash_at, lsq_loss, simulate_lsq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -255,12 +255,8 @@ def test_a_killed_run_with_stops_resumes_to_the_same_bits(tmp_path, model):
     common = dict(num_updates=40, eval_fn=_noisy_loss, eval_every=10)  # one eval_fn: its program compiles once
     full = simulate_lsq(SGD, model, **common)
 
-    def crash(done, state):
-        if done == 20:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        simulate_lsq(SGD, model, checkpoint_dir=tmp_path, callback=crash, **common)
+        simulate_lsq(SGD, model, checkpoint_dir=tmp_path, callback=crash_at(20), **common)
     resumed = simulate_lsq(SGD, model, checkpoint_dir=tmp_path, **common)
     np.testing.assert_array_equal(np.asarray(resumed.params), np.asarray(full.params))
     for name in full.metrics:
@@ -369,13 +365,9 @@ def test_a_time_budget_ends_the_runs_at_the_first_evaluation_past_it(tmp_path):
     assert cut.metrics["eval_update"][-1] == n
     assert budget.structure() == plan.structure()  # a number: the same programs
 
-    def crash(done, state):
-        if done == 20:
-            raise KeyboardInterrupt
-
     options = dict(eval_fn=eval_fn, progress=False, checkpoint_dir=tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, callback=crash, **options)
+        asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, callback=crash_at(20), **options)
     resumed = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, **options)
     np.testing.assert_array_equal(resumed.metrics["time"], cut.metrics["time"])  # killed and resumed: the same cut
     again = asgd_jax.simulate(lsq_loss, SGD, jnp.asarray(W1), NOISY, budget, **options)  # a finished run: nothing more

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from helpers.compiles import compilations
-from helpers.problems import NOISY, W1, lsq_loss
+from helpers.problems import NOISY, W1, crash_at, lsq_loss
 
 import asgd_jax
 from asgd_jax.errors import ConfigError
@@ -70,12 +70,8 @@ def test_a_second_sharded_sweep_with_other_numbers_compiles_nothing():
 def test_a_sharded_sweep_resumes_from_its_checkpoint_to_the_same_bits(tmp_path):
     whole = _sweep(jax.devices())
 
-    def stop(done, state):
-        if done == 200:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        _sweep(jax.devices(), checkpoint_dir=str(tmp_path), callback=stop)
+        _sweep(jax.devices(), checkpoint_dir=str(tmp_path), callback=crash_at(200))
     _same(whole, _sweep(jax.devices(), checkpoint_dir=str(tmp_path)))
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.problems import DIM, B, BatchOrder, N, lsq_loss, simulate_lsq
+from helpers.problems import DIM, B, BatchOrder, N, crash_at, lsq_loss, simulate_lsq
 from helpers.problems import NOISY as DATA
 from helpers.problems import W1 as W0
 from helpers.reference import ReferenceServer, lsq_grad
@@ -186,16 +186,6 @@ def test_sweep_over_delay_parameters_equals_separate_runs():
         np.testing.assert_allclose(swept.params[r], alone.params, rtol=1e-5, atol=1e-6)
     # The parameters really vary per run: slower workers take longer in virtual time.
     assert swept.metrics["time"][1, -1] > 2 * swept.metrics["time"][0, -1]
-
-
-def crash_at(update: int):
-    """A callback that stops a run as a Ctrl-C would, once ``update`` updates are done."""
-
-    def crash(done, state):
-        if done == update:
-            raise KeyboardInterrupt
-
-    return crash
 
 
 def test_resume_from_checkpoint_is_bit_identical(tmp_path):

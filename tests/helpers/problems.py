@@ -178,3 +178,13 @@ def straggler_waits_first(monkeypatch, straggler: int = 0) -> None:
 
     monkeypatch.setattr(ShardLoader, "__next__", gated_take)
     monkeypatch.setattr(Endpoint, "wait_version", noted_wait)
+
+
+def crash_at(update: int):
+    """A simulator callback that stops a run as a Ctrl-C would, once ``update`` updates are done."""
+
+    def crash(done, state):
+        if done == update:
+            raise KeyboardInterrupt
+
+    return crash
