@@ -110,13 +110,11 @@ class Applier:
 
     def _apply(self, worker, payload, model_state, pulled_version, round_info, packed, inner, future: Future) -> float:
         """One push: rejected (late, non-finite), ignored, or applied with the server step, traced, and answered; the
-        seconds its exchange program took (to its answer on the host)."""
+        seconds its exchange program took (to its answer on the host; pipelined: its dispatch and the waits for the
+        device's outcome of the pushes settled on the way)."""
         store = self.store
-        t0 = time.perf_counter()
-        ahead = self._ahead()
-        if not ahead:
-            self.settle()  # the push before it: the books are exact before anything is decided from them
-        waited = time.perf_counter() - t0
+        # The device's share: the push before it settled here (the books exact before anything is decided from them).
+        waited = 0.0 if self._ahead() else self.settle()
         budget_reached = store.num_updates is not None and store.applied >= store.num_updates
         if store.closed and (budget_reached or store.error is not None):
             with store.lock:
@@ -130,8 +128,7 @@ class Applier:
             return waited
         if store.pipelined:
             seconds = self._dispatch(worker, payload, model_state, round_info, packed, inner, future)
-            self.settle(keep=1)  # (gone ahead: the push before it, while this one computes)
-            return waited + seconds
+            return waited + seconds + self.settle(keep=1)  # (gone ahead: the push before it, while this one computes)
         with store.lock:
             t0 = time.perf_counter()
             out = store.server.exchange(worker, payload, model_state)
@@ -185,22 +182,26 @@ class Applier:
         params, model_state = self.store.server.unpack(dispatched.answer)  # (a caller of pytrees: waits here)
         return params, model_state, int(dispatched.version)
 
-    def settle(self, keep: int = 0) -> None:
+    def settle(self, keep: int = 0) -> float:
         """Pipelined: reads the flags of the pushes dispatched (waits for the device), all but the last ``keep``, in
         their order, and writes each in the books: applied (then checked for divergence, the budget, a checkpoint, a
         snapshot) or rejected. Idempotent; the applier calls it around each push and at its end, the store before it
-        reads the state with the books."""
+        reads the state with the books. Returns the seconds it waited for the device (the exchanges' share of its
+        time, and a computed push's period's: one program; the rest is bookkeeping)."""
+        device = 0.0
         with self._settling:  # (one settler at a time: the books learn of the pushes in their order)
             while True:
                 with self.store.lock:
                     if len(self._pending) <= keep:
-                        return
+                        return device
                     worker, round_info, inner, dispatched, _ = self._pending.popleft()
+                    t0 = time.perf_counter()
                     try:
                         out = self.store.server.settle(dispatched)
                     except BaseException:  # its exchange failed on the device: counted, and the run stops
                         self.store.ledger.rejected += 1
                         raise
+                    device += time.perf_counter() - t0
                     pulled_version = self.store.applied - out.staleness  # the store's own record
                     self._book(worker, pulled_version, out, round_info, inner)
                 if out.ok:

@@ -123,7 +123,9 @@ class StoreTimes(NamedTuple):
 
     Attributes:
       pushes: pushes its applier handled (applied, rejected as NaN/Inf, ignored as too stale, late).
-      exchange: its exchange programs, from dispatch to the answer on the host (the device's share).
+      exchange: its exchange programs, from dispatch to the answer on the host (the device's share; pipelined, the
+        dispatch and the wait for the outcome on the device, which for a computed push is the worker's period and
+        the exchange: one program).
       bookkeeping: the rest of a push on the applier: counts, the trace line, a checkpoint handed to its writer,
         snapshots, the answer handed back.
       idle: the store between the end of one push and the start of the next (the workers, not the store, set the
