@@ -391,6 +391,24 @@ def test_cli_train_config_file_resume_and_warm_start(tmp_path, capsys):
     assert main(["train", "--slowdown", "fast", "--out", str(tmp_path / "y")]) == 2
 
 
+@pytest.mark.parametrize("lr", [0.0, 0.1])
+def test_cli_train_says_when_the_model_learned_nothing(tmp_path, capsys, lr):
+    # A classifier that ends no better than guessing (an untouched cnn here; in practice a network that stalled or
+    # collapsed to one class under stale updates: 4 workers at --lr 0.5 ended at 92.2% on digits, no NaN to stop it)
+    # gets a word on stderr; the run still succeeded. One that learned gets none.
+    from asgd_jax.cli import main
+    from asgd_jax.cli.train import at_chance
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", "cnn", "--workers", "1", "--steps", "200", "--no-progress", "--out", str(out)]
+    assert main([*argv, "--lr", str(lr)]) == 0
+    error, warned = (
+        json.loads((out / "summary.json").read_text())["test_error"],
+        "has not learned" in capsys.readouterr().err,
+    )
+    assert warned == at_chance(error, 10) == (lr == 0.0)
+
+
 def test_non_finite_pushes_are_rejected_and_training_goes_on():
     poisoned = {"x": DATA["x"].copy(), "y": DATA["y"]}
     poisoned["x"][7] = np.nan  # every batch holding example 7 yields a NaN gradient

@@ -20,10 +20,12 @@ from asgd_jax.configs import shipped_configs
 from asgd_jax.configs import table as _table
 
 __all__ = [
+    "CHANCE_MARGIN",
     "MODEL_FLAGS",
     "PLAN_FLAGS",
     "SETUP_FLAGS",
     "add_train",
+    "at_chance",
     "keep_the_driver_on_the_cpu",
     "setup_of",
     "train_config",
@@ -404,7 +406,12 @@ def _train(args: argparse.Namespace) -> int:
         kept = "The last good checkpoint and" if saved else "No checkpoint had been written yet;"
         print(f"asgd-jax: {e}. {kept} summary.json {'are' if saved else 'is'} in {config.out}.", file=sys.stderr)
         return 1
-    summary = _add_args_to_summary(config.out, args)
+    return _report(result, _add_args_to_summary(config.out, args), config, ds.num_classes, args.lr)
+
+
+def _report(result: Any, summary: dict[str, Any], config: Any, num_classes: int, lr: float) -> int:
+    """The finished run's line (its test error, pushes and rate), a word when the model learned nothing, and the exit
+    code: 0, 1 (a worker failed) or 3 (stopped by ``--timeout``)."""
     error = f"{100 * result.evals[-1]['error']:.2f}%" if result.evals else "n/a"
     if result.evals and "perplexity" in result.evals[-1]:  # a language model: per token, and its perplexity
         error += f" per token, perplexity {result.evals[-1]['perplexity']:.3f}"
@@ -417,6 +424,15 @@ def _train(args: argparse.Namespace) -> int:
         f"rejected {result.pushes_rejected}{late} | {summary.get('updates_per_second', 0):.0f} updates/s | "
         f"trace: {result.trace_path}"
     )
+    last = result.evals[-1] if result.evals else {}
+    if "error" in last and "perplexity" not in last and at_chance(last["error"], num_classes):
+        print(
+            f"asgd-jax: after {result.pushes_applied} updates the test error ({error}) is at chance for "
+            f"{num_classes} classes ({100 * (1 - 1 / num_classes):.1f}%): the model has not learned. Asynchronous "
+            f"workers add staleness, and a learning rate tuned for one worker can stall or kill a network with "
+            f"more: try a lower --lr ({lr:g} here) or fewer --workers.",
+            file=sys.stderr,
+        )
     if result.ended == "timeout":
         print(
             f"asgd-jax: stopped by --timeout {config.timeout:g} s after {result.pushes_applied} of "
@@ -425,3 +441,18 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 3
     return 0 if not result.failures else 1
+
+
+CHANCE_MARGIN = 0.02  # (a test error within two points of guessing: a model that predicts one class, or noise)
+
+
+def at_chance(error: float, num_classes: int) -> bool:
+    """Whether a classifier's test ``error`` is no better than guessing among ``num_classes`` (within
+    :data:`CHANCE_MARGIN`): what ``asgd-jax train`` warns of when a run ends (a network that stalled or collapsed to
+    one class under stale updates ends there without a NaN to stop it).
+
+    Example:
+      >>> at_chance(0.922, 10), at_chance(0.5, 10), at_chance(0.49, 2)
+      (True, False, True)
+    """
+    return error >= 1 - 1 / num_classes - CHANCE_MARGIN
