@@ -400,13 +400,13 @@ def test_cli_train_says_when_the_model_learned_nothing(tmp_path, capsys, lr):
     from asgd_jax.cli.train import at_chance
 
     out = tmp_path / "run"
-    argv = ["train", "--model", "cnn", "--workers", "1", "--steps", "200", "--no-progress", "--out", str(out)]
-    assert main([*argv, "--lr", str(lr)]) == 0
-    error, warned = (
-        json.loads((out / "summary.json").read_text())["test_error"],
-        "has not learned" in capsys.readouterr().err,
-    )
-    assert warned == at_chance(error, 10) == (lr == 0.0)
+    argv = ["train", "--dataset", "digits", "--model", "cnn", "--workers", "1", "--steps", "200", "--no-progress"]
+    assert main([*argv, "--out", str(out), "--lr", str(lr)]) == 0
+    err = capsys.readouterr().err
+    error, warned = json.loads((out / "summary.json").read_text())["test_error"], "has not learned" in err
+    assert warned == at_chance(error, asgd_jax.data.load("digits").num_classes) == (lr == 0.0)
+    assert ("The learning rate is 0: nothing moved." in err) == (lr == 0.0)  # (and no word of workers: there is one)
+    assert "--workers" not in err
 
 
 def test_non_finite_pushes_are_rejected_and_training_goes_on():

@@ -425,14 +425,9 @@ def _report(result: Any, summary: dict[str, Any], config: Any, num_classes: int,
         f"trace: {result.trace_path}"
     )
     last = result.evals[-1] if result.evals else {}
-    if "error" in last and "perplexity" not in last and at_chance(last["error"], num_classes):
-        print(
-            f"asgd-jax: after {result.pushes_applied} updates the test error ({error}) is at chance for "
-            f"{num_classes} classes ({100 * (1 - 1 / num_classes):.1f}%): the model has not learned. Asynchronous "
-            f"workers add staleness, and a learning rate tuned for one worker can stall or kill a network with "
-            f"more: try a lower --lr ({lr:g} here) or fewer --workers.",
-            file=sys.stderr,
-        )
+    finished = result.ended != "timeout" and not result.failures  # (else that is the news, not the learning rate)
+    if finished and "error" in last and "perplexity" not in last and at_chance(last["error"], num_classes):
+        _say_at_chance(result.pushes_applied, error, num_classes, lr, config.plan.workers)
     if result.ended == "timeout":
         print(
             f"asgd-jax: stopped by --timeout {config.timeout:g} s after {result.pushes_applied} of "
@@ -443,13 +438,28 @@ def _report(result: Any, summary: dict[str, Any], config: Any, num_classes: int,
     return 0 if not result.failures else 1
 
 
+def _say_at_chance(updates: int, error: str, num_classes: int, lr: float, workers: int) -> None:
+    advice = " The learning rate is 0: nothing moved." if lr == 0 else f" Try a lower --lr ({lr:g} here)."
+    if lr and workers > 1:
+        advice = (
+            " Asynchronous workers add staleness, and a learning rate tuned for one worker can stall or kill a "
+            f"network with more: try a lower --lr ({lr:g} here) or fewer --workers ({workers} here)."
+        )
+    print(
+        f"asgd-jax: after {updates} updates the test error ({error}) is at chance for {num_classes} classes "
+        f"({100 * (1 - 1 / num_classes):.1f}%): the model has not learned.{advice}",
+        file=sys.stderr,
+    )
+
+
 CHANCE_MARGIN = 0.02  # (a test error within two points of guessing: a model that predicts one class, or noise)
 
 
 def at_chance(error: float, num_classes: int) -> bool:
     """Whether a classifier's test ``error`` is no better than guessing among ``num_classes`` (within
     :data:`CHANCE_MARGIN`): what ``asgd-jax train`` warns of when a run ends (a network that stalled or collapsed to
-    one class under stale updates ends there without a NaN to stop it).
+    one class under stale updates ends there without a NaN to stop it). Chance is that of balanced classes (the
+    shipped datasets'): on a test set where one class dominates, a model that always predicts it does better.
 
     Example:
       >>> at_chance(0.922, 10), at_chance(0.5, 10), at_chance(0.49, 2)
