@@ -8,9 +8,11 @@ implementation detail.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -228,6 +230,13 @@ class _Block(nnx.Module):
         return h + self.down(jax.nn.gelu(self.up(self.norm2(h))))
 
 
+# The compiled initialisations, by (model, key signature): a model is a value (equal models are the same module with
+# the same numbers), so a model built again finds its program here. The last 32 are kept.
+_INITS: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+_INITS_SIZE = 32
+_INITS_LOCK = threading.Lock()
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A model as pure functions.
@@ -250,12 +259,14 @@ class Model:
 
     @functools.cached_property
     def _init(self) -> Callable:
-        # Jitted once per model: one compile instead of hundreds of eagerly dispatched ops for the deep models.
-        dummy = jnp.zeros((1, *self.input_shape), jnp.float32)
+        # Jitted once per model: one compile instead of hundreds of eagerly dispatched ops for the deep models. The
+        # dummy input is NumPy's: made first inside a caller's trace (jit(model.init) before any plain call, as when
+        # the compiled program came from an equal model), a jnp array would be that trace's tracer, kept and leaked.
+        dummy = np.zeros((1, *self.input_shape), np.float32)
         return jax.jit(lambda k: self.module.init({"params": k, "dropout": k}, dummy, train=False))
 
     @functools.cached_property
-    def _programs(self) -> dict[Hashable, Any]:
+    def _programs(self) -> dict[Hashable, Any]:  # (a model that is not a value's own compiled initialisations)
         return {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -272,13 +283,29 @@ class Model:
         return params, variables
 
     def _init_program(self, key: Any) -> Callable:
-        """The initialisation compiled for ``key``'s shape, dtype and device (on a CPU: :data:`CPU_INIT_OPTIONS`)."""
+        """The initialisation compiled for ``key``'s shape, dtype and device (on a CPU: :data:`CPU_INIT_OPTIONS`),
+        kept for every model equal to this one (a model built again by the same call, as a notebook cell or a study
+        arm does, initialises without tracing, lowering or loading its program again)."""
         sharding = getattr(key, "sharding", None)  # a key on another device gets a program (and weights) there
-        signature = (np.shape(key), str(key.dtype), sharding)
-        program = self._programs.get(signature)
-        if program is None:
-            options = dict(CPU_INIT_OPTIONS) if cache.platform_of(key) == "cpu" else None
-            program = self._programs[signature] = cache.compile_with(self._init.lower(key), options)
+        options = dict(CPU_INIT_OPTIONS) if cache.platform_of(key) == "cpu" else None
+        signature = (self, np.shape(key), str(key.dtype), sharding, tuple(sorted((options or {}).items())))
+        try:
+            hash(signature)
+        except TypeError:  # (a module of one's own that is not a value: kept on this model alone)
+            mine = self._programs
+            if signature[1:] not in mine:
+                mine[signature[1:]] = cache.compile_with(self._init.lower(key), options)
+            return mine[signature[1:]]
+        with _INITS_LOCK:
+            program = _INITS.get(signature)
+            if program is not None:
+                _INITS.move_to_end(signature)
+                return program
+        program = cache.compile_with(self._init.lower(key), options)
+        with _INITS_LOCK:
+            _INITS[signature] = program
+            while len(_INITS) > _INITS_SIZE:
+                _INITS.popitem(last=False)
         return program
 
     def apply(

@@ -364,6 +364,32 @@ def test_a_model_that_initialised_still_pickles_and_its_copy_gives_the_same_weig
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_model_built_again_initialises_without_compiling_anything():
+    # A model is a value: the same call builds an equal model (a notebook cell run again, a study's next arm), and its
+    # initialisation is the one compiled before, found without tracing, lowering or loading (each cost ~0.2 s on a CPU
+    # with the persistent cache warm). Other numbers, or other XLA options, are another program.
+    make = lambda **options: asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1), **options)
+    first = make().init(jax.random.key(4))
+    with compilations() as again:
+        second = make().init(jax.random.key(5))  # (another key, the same program)
+    assert sum(again.values()) == 0
+    with compilations() as other:
+        make(hidden=(16,)).init(jax.random.key(4))
+    assert sum(other.values()) == 1
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(make().init(jax.random.key(4))), strict=True):
+        np.testing.assert_array_equal(a, b)
+    pairs = zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True)
+    assert not all(np.array_equal(a, b) for a, b in pairs)  # (the second key's weights, from the same program)
+    # Its own jitted initialisation is then first made inside a caller's trace: it must not keep that trace's values
+    # (a dummy input made with jnp there was the trace's tracer, leaked on the caller's next call).
+    fresh = make()
+    fresh.init(jax.random.key(4))
+    for _ in range(2):
+        inside = jax.jit(fresh.init)(jax.random.key(4))
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(inside), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("key", [0, "key", None, [0, 1]])
 def test_a_model_initialised_with_no_key_says_what_to_give(key):
     model = asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1))
