@@ -8,11 +8,9 @@ implementation detail.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -232,9 +230,7 @@ class _Block(nnx.Module):
 
 # The compiled initialisations, by (model, key signature): a model is a value (equal models are the same module with
 # the same numbers), so a model built again finds its program here. The last 32 are kept.
-_INITS: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
-_INITS_SIZE = 32
-_INITS_LOCK = threading.Lock()
+_INITS = cache.Kept(32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,28 +281,23 @@ class Model:
     def _init_program(self, key: Any) -> Callable:
         """The initialisation compiled for ``key``'s shape, dtype and device (on a CPU: :data:`CPU_INIT_OPTIONS`),
         kept for every model equal to this one (a model built again by the same call, as a notebook cell or a study
-        arm does, initialises without tracing, lowering or loading its program again)."""
-        sharding = getattr(key, "sharding", None)  # a key on another device gets a program (and weights) there
+        arm does, initialises without tracing, lowering or loading its program again). A model is a value: what its
+        module computes follows from its fields (as the simulator's programs, keyed on its loss, assume too); a
+        module that reads a global it does not hold finds the program of before until :func:`asgd_jax.cache.clear`.
+        """
+        # A key on another device gets a program (and weights) there; a NumPy key, the default device's.
+        where = getattr(key, "sharding", None) or jax.config.jax_default_device
         options = dict(CPU_INIT_OPTIONS) if cache.platform_of(key) == "cpu" else None
-        signature = (self, np.shape(key), str(key.dtype), sharding, tuple(sorted((options or {}).items())))
+        randomness = (jax.config.jax_threefry_partitionable, str(jax.config.jax_default_prng_impl))
+        signature = (np.shape(key), str(key.dtype), where, tuple(sorted((options or {}).items())), randomness)
+        build = lambda: cache.compile_with(self._init.lower(key), options)
         try:
-            hash(signature)
-        except TypeError:  # (a module of one's own that is not a value: kept on this model alone)
-            mine = self._programs
-            if signature[1:] not in mine:
-                mine[signature[1:]] = cache.compile_with(self._init.lower(key), options)
-            return mine[signature[1:]]
-        with _INITS_LOCK:
-            program = _INITS.get(signature)
-            if program is not None:
-                _INITS.move_to_end(signature)
-                return program
-        program = cache.compile_with(self._init.lower(key), options)
-        with _INITS_LOCK:
-            _INITS[signature] = program
-            while len(_INITS) > _INITS_SIZE:
-                _INITS.popitem(last=False)
-        return program
+            hash(self)
+        except TypeError:  # (a module of one's own that is not a value: its programs kept on this model alone)
+            if signature not in self._programs:
+                self._programs[signature] = build()
+            return self._programs[signature]
+        return _INITS.get((self, *signature), build)
 
     def apply(
         self,

@@ -369,6 +369,7 @@ def test_a_model_built_again_initialises_without_compiling_anything():
     # initialisation is the one compiled before, found without tracing, lowering or loading (each cost ~0.2 s on a CPU
     # with the persistent cache warm). Other numbers, or other XLA options, are another program.
     make = lambda **options: asgd_jax.models.get("mlp", num_classes=10, input_shape=(8, 8, 1), **options)
+    asgd_jax.cache.clear()  # (what an earlier test kept: this one counts from nothing)
     first = make().init(jax.random.key(4))
     with compilations() as again:
         second = make().init(jax.random.key(5))  # (another key, the same program)
@@ -388,6 +389,16 @@ def test_a_model_built_again_initialises_without_compiling_anything():
         inside = jax.jit(fresh.init)(jax.random.key(4))
         for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(inside), strict=True):
             np.testing.assert_array_equal(a, b)
+    # A NumPy key has no device: its weights land on the default device of the call, not of the one that compiled.
+    raw = np.asarray(jax.random.key_data(jax.random.key(4)))
+    for device in jax.devices()[1::-1]:
+        with jax.default_device(device):
+            placed, _ = make().init(raw)
+        assert {leaf.devices().pop() for leaf in jax.tree.leaves(placed)} == {device}
+    asgd_jax.cache.clear()  # forgets them: the next build compiles (loads) again
+    with compilations() as cleared:
+        make().init(jax.random.key(4))
+    assert sum(cleared.values()) == 1
 
 
 @pytest.mark.parametrize("key", [0, "key", None, [0, 1]])
