@@ -9,6 +9,8 @@ in-place update overwrites it).
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,10 +27,11 @@ BATCH = 32  # activations [32, 256] never have a weight's shape
 
 
 def _workload():
-    keys = jax.random.split(jax.random.key(0), len(WIDTHS))
-    params = [jax.random.normal(k, (a, b)) / np.sqrt(a) for k, a, b in zip(keys, WIDTHS[:-1], WIDTHS[1:], strict=False)]
-    x = jax.random.normal(keys[-1], (1024, WIDTHS[0]))
-    data = {"x": x, "y": jnp.arange(1024) % WIDTHS[-1]}
+    # (NumPy's draws: made at import in both pytest processes, JAX's compiled a sampler per shape, ~5 s of XLA cold)
+    rng = np.random.default_rng(0)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+    params = [draw(a, b) / np.sqrt(a) for a, b in itertools.pairwise(WIDTHS)]
+    data = {"x": draw(1024, WIDTHS[0]), "y": jnp.arange(1024) % WIDTHS[-1]}
 
     def loss(ws, batch):
         h = batch["x"]
