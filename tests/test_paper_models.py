@@ -11,6 +11,11 @@ import asgd_jax
 from asgd_jax import preprocess
 
 
+def _normal(shape):
+    """Standard-normal inputs drawn by NumPy (JAX's sampler compiles a program per shape: ~0.8 s each, cold)."""
+    return jnp.asarray(np.random.default_rng(1).standard_normal(shape, np.float32))
+
+
 def _count(name, shape, num_classes=10, **options):
     model = asgd_jax.models.get(name, num_classes=num_classes, input_shape=shape, **options)
     params, state = jax.eval_shape(model.init, jax.random.key(0))  # shapes only: no compute
@@ -34,7 +39,7 @@ def test_convnet_shapes_and_dropout():
     model = asgd_jax.models.get("convnet", num_classes=10, input_shape=(32, 32, 3), width=0.125, stem_stride=1)
     params, state = model.init(jax.random.key(0))
     apply = jax.jit(model.apply, static_argnames="train")
-    x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
+    x = _normal((4, 32, 32, 3))
     logits, _ = apply(params, state, x)
     assert logits.shape == (4, 10)
     eval_again, _ = apply(params, state, x)
@@ -50,7 +55,7 @@ def test_batchnorm_trains_on_batch_statistics_and_evaluates_on_running_ones():
     model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(8, 8, 3), blocks_per_stage=1)
     params, state = model.init(jax.random.key(0))
     apply = jax.jit(model.apply, static_argnames="train")
-    x = 3.0 + jax.random.normal(jax.random.key(1), (16, 8, 8, 3))
+    x = 3.0 + _normal((16, 8, 8, 3))
     _, new_state = apply(params, state, x, train=True)
     first = jax.tree.leaves(state["batch_stats"])[0]
     assert not np.allclose(jax.tree.leaves(new_state["batch_stats"])[0], first)  # statistics moved
@@ -127,7 +132,7 @@ def test_random_crop_flip_is_keyed_and_keeps_content():
 def test_multi_crop_evaluation_averages_the_ten_crops():
     model = asgd_jax.models.get("resnet20", num_classes=10, input_shape=(8, 8, 3), blocks_per_stage=1, widths=(4, 8, 8))
     params, state = model.init(jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (5, 8, 8, 3))
+    x = _normal((5, 8, 8, 3))
     y = jnp.arange(5) % 10
     got = jax.jit(asgd_jax.classification_eval(model, {"x": x, "y": y}, crop=6, multi_crop=True))(params, state)
     apply = jax.jit(lambda c: model.apply(params, state, c)[0])
@@ -141,7 +146,7 @@ def test_multi_crop_evaluation_averages_the_ten_crops():
 def test_training_augmentation_is_optional_keyed_and_changes_the_batch():
     model = asgd_jax.models.get("cnn", num_classes=10, input_shape=(8, 8, 1))
     params, state = model.init(jax.random.key(0))
-    batch = {"x": jax.random.normal(jax.random.key(1), (6, 8, 8, 1)), "y": jnp.arange(6)}
+    batch = {"x": _normal((6, 8, 8, 1)), "y": jnp.arange(6)}
     plain = jax.jit(asgd_jax.classification_loss(model))
     augmented = jax.jit(asgd_jax.classification_loss(model, augment=True))
     base = plain(params, state, batch, jax.random.key(2))[0]
