@@ -439,12 +439,15 @@ def _report(result: Any, summary: dict[str, Any], config: Any, num_classes: int,
 
 
 def _say_at_chance(updates: int, error: str, num_classes: int, lr: float, workers: int) -> None:
-    advice = " The learning rate is 0: nothing moved." if lr == 0 else f" Try a lower --lr ({lr:g} here)."
-    if lr and workers > 1:
+    if lr == 0:
+        advice = " The learning rate is 0: nothing moved."
+    elif workers > 1:
         advice = (
             " Asynchronous workers add staleness, and a learning rate tuned for one worker can stall or kill a "
             f"network with more: try a lower --lr ({lr:g} here) or fewer --workers ({workers} here)."
         )
+    else:
+        advice = f" Try a lower --lr ({lr:g} here)."
     print(
         f"asgd-jax: after {updates} updates the test error ({error}) is at chance for {num_classes} classes "
         f"({100 * (1 - 1 / num_classes):.1f}%): the model has not learned.{advice}",
