@@ -58,6 +58,26 @@ def test_a_notebook_loop_of_ten_runs_compiles_the_update_chunk_once():
     assert len({f.tobytes() for f in finals}) == len(calls)  # every call's numbers reached its run
 
 
+def test_a_loss_is_traced_once_for_its_check_and_once_for_the_update_program():
+    """Tracing is a compiled program's Python share (a cnn's update program: ~0.15 s, paid again in every process,
+    the persistent cache reads the trace): the loss is traced to check it before anything compiles and once more in
+    the update program, whose loop reads the step's one trace for its outputs' shapes and its body alike; a run at
+    other numbers traces nothing."""
+    asgd_jax.simulator.clear_cache()
+    traced = []
+
+    def loss(w, batch):
+        traced.append(1)
+        return lsq_loss(w, batch)
+
+    plan = asgd_jax.Plan(delays.Workers(4), batch_size=B, num_updates=60, chunk=25)
+    runs = [
+        asgd_jax.simulate(loss, asgd_jax.asgd(lr), jnp.asarray(W0), DATA, plan, progress=False) for lr in (0.1, 0.2)
+    ]
+    assert len(traced) == 2
+    assert not np.array_equal(runs[0].params, runs[1].params)
+
+
 def test_on_an_accelerator_whole_chunks_run_in_a_scan_of_known_length_with_the_same_bits(monkeypatch):
     """On a CPU every chunk runs in the chunk program (its trip count an argument: one program for whole chunks and a
     run's last part); on an accelerator, whole chunks run in a scan of known length, for XLA:GPU asks the host about a

@@ -270,7 +270,9 @@ def _dynamic_scan(step: Callable, carry: Any, xs: Any, n: jax.Array) -> tuple[An
     """``lax.scan(step, carry, xs)`` over the first ``n`` (traced) rows of ``xs`` only; the outputs keep every row's
     place (the rows past ``n`` are zeros). The same step as the scan's, so the same bits."""
     first = jax.tree.map(lambda a: a[0], xs)
-    shapes = jax.eval_shape(lambda c, x: step(c, x)[1], carry, first)
+    # Traced once: the outputs' shapes and the loop's body read the same trace (jit's own cache, the step inlined).
+    step = jax.jit(step, inline=True)
+    shapes = jax.eval_shape(step, carry, first)[1]
     length = jax.tree.leaves(xs)[0].shape[0]
     ys = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), shapes)
 
