@@ -127,10 +127,12 @@ def row(tables: Any, slot: jax.Array) -> Any:
     :func:`replace_row`), copies the whole table on every update to order the two: O(M·d) where the update is O(d)
     (Workers(1000), d = 1,729: 392 against 72 us an update; ``tests/test_simulator_hlo.py`` pins it). A conditional's
     result is a buffer of its own, read once before anything consumes it. On a CPU only: an accelerator's
-    conditional would ask the host for its predicate on every update.
+    conditional would ask the host for its predicate on every update. Outside a program (a rule's update called
+    eagerly, in a notebook) the plain slice: an eager conditional would compile anew on every call.
     """
     take = lambda: jax.tree.map(lambda t: _get(t, slot), tables)
-    if jax.default_backend() != "cpu":
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((tables, slot)))
+    if not traced or jax.default_backend() != "cpu":
         return take()
     empty = lambda: jax.tree.map(lambda t: jnp.zeros(t.shape[1:], t.dtype), tables)
     return jax.lax.cond(jnp.asarray(slot) >= 0, take, empty)  # (always true; XLA cannot tell)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.compiles import compilations
 from helpers.reference import ReferenceServer, lsq_grad, run_trace
 
 import asgd_jax
@@ -50,6 +51,25 @@ def test_server_with_rule_matches_numpy_reference(lam, adaptive, per_worker):
     assert staleness == ref.staleness
     assert max(staleness) >= 3  # the trace really is asynchronous
     np.testing.assert_allclose(np.asarray(state.params), want, rtol=2e-4, atol=2e-5)
+
+
+def test_the_servers_functions_called_eagerly_compile_nothing_after_the_first_step():
+    """A notebook steps the server by hand: a backup's read is the plain slice outside a program (inside one it is a
+    conditional, for XLA's sake: server.row), so the second and later steps reuse the first's programs."""
+    rule = asgd_jax.dc_asgd(0.05, 2.0, adaptive=True, num_workers=2)
+    state = server.init(rule, jnp.zeros(3), 2)
+
+    def step(state, worker):
+        stale, _ = server.snapshot(state, worker)
+        state, _ = server.push(rule, state, worker, stale + 1.0)
+        return server.pull(state, worker)
+
+    state = step(step(state, 0), 1)
+    with compilations() as counts:
+        for worker in (0, 1, 1, 0):
+            state = step(state, worker)
+    assert sum(counts.values()) == 0, counts
+    assert int(state.version) == 6
 
 
 def test_per_worker_and_global_mean_square_differ():
