@@ -49,6 +49,9 @@ def key_words(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (_ROUNDS,), jnp.uint32)
 
 
+# Jitted inline: inside a program the same operations as written out; called eagerly (a test's reference, a notebook),
+# one program per shape instead of an operation at a time and a loop compiled anew on every call.
+@functools.partial(jax.jit, static_argnames=("num_examples",), inline=True)
 def example_index(words: jax.Array, epoch: int | jax.Array, positions: jax.Array, num_examples: int) -> jax.Array:
     """P_epoch(positions): which example sits at each position of the epoch's layout (int32, same shape).
 
@@ -104,6 +107,7 @@ def shard_indices(key: jax.Array, epoch: int | jax.Array, num_examples: int, num
     return example_index(key_words(key), epoch, positions, num_examples).reshape(num_shards, shard_size)
 
 
+@functools.partial(jax.jit, inline=True)  # (as example_index)
 def member_position(words: jax.Array, epoch: jax.Array, positions: jax.Array, worker: jax.Array, sizes: jax.Array):
     """Where each of ``positions`` of a worker's epoch falls in that worker's own list of examples: a keyed
     permutation of ``[0, sizes[worker])`` per (worker, epoch), for a fixed partition (:mod:`asgd_jax.partition`),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from helpers.compiles import compilations
 from helpers.problems import N
 
 from asgd_jax import order
@@ -54,3 +55,25 @@ def test_many_minibatches_of_different_epochs_in_one_call_are_each_epochs_own():
     assert one.shape == () and int(one) == int(np.asarray(order.example_index(words, 3, np.arange(6), 1438))[5])
     with pytest.raises(ValueError, match=r"epoch has shape \(2,\) and positions \(3, 2, 9\)"):
         order.example_index(words, epochs[0], positions, 1438)
+
+
+def test_the_order_called_eagerly_compiles_once_per_shape_and_inside_a_program_is_the_same():
+    """A test's reference or a notebook calls the order eagerly: one program per shape (the Feistel rounds and the
+    cycle walk's loop), not an operation at a time with the loop compiled anew on every call."""
+    words = order.key_words(jax.random.key(5))
+    positions = np.arange(40, dtype=np.int32).reshape(4, 10)
+    sizes = np.array([10, 37, 64, 100], np.int32)
+    workers = np.arange(4, dtype=np.int32)
+    eager = lambda e: (
+        np.asarray(order.example_index(words, np.full(4, e, np.int32), positions, 1000)),
+        np.asarray(order.member_position(words, np.full(4, e, np.int32), positions, workers, sizes)),
+    )
+    first = eager(0)
+    with compilations() as counts:
+        later = [eager(e) for e in (1, 2, 0)]
+    assert sum(counts.values()) == 0, counts
+    np.testing.assert_array_equal(later[2][0], first[0])
+    inside = jax.jit(lambda e: order.example_index(words, e, positions, 1000))(np.zeros(4, np.int32))
+    np.testing.assert_array_equal(np.asarray(inside), first[0])
+    member = first[1]
+    assert all(len(set(member[w].tolist())) == 10 and member[w].max() < sizes[w] for w in range(4))  # a bijection
