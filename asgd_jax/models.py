@@ -658,7 +658,13 @@ class Evaluation:
     multi_crop: bool = False
 
     def __call__(self, params, model_state) -> dict[str, jax.Array]:
-        return self.evaluate(params, model_state, jax.tree.map(jnp.asarray, self.data))
+        data = jax.tree.map(jnp.asarray, self.data)
+        try:  # (called eagerly, after a run: one program per evaluation's value, not its batches' loop compiled anew)
+            hash(self)
+        except TypeError:  # a model that is not a value: evaluated as it is
+            return self.evaluate(params, model_state, data)
+        # Its program keyed on the evaluation without its data (equal all the same): the cache holds no held-out split.
+        return _evaluate(dataclasses.replace(self, data=None), params, model_state, data)
 
     def _logits(self, params, model_state, xb):
         apply = lambda v: self.model.apply(params, model_state, v, train=False)[0]
@@ -689,3 +695,9 @@ class Evaluation:
         count = y.size
         metrics = {"loss": loss / count, "error": wrong.astype(jnp.float32) / count}
         return metrics if y.ndim == 1 else {**metrics, "perplexity": jnp.exp(metrics["loss"])}
+
+
+# Jitted inline: inside a caller's program the same operations; called eagerly, compiled once per evaluation's value.
+_evaluate = jax.jit(
+    lambda e, params, model_state, data: e.evaluate(params, model_state, data), static_argnums=0, inline=True
+)

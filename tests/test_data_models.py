@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.compiles import compilations
 from helpers.problems import replay_trainer_run
 
 import asgd_jax
@@ -191,6 +192,24 @@ def test_classification_eval_matches_a_direct_computation():
     logits, _ = model.apply(params, state, ds.x_test)
     np.testing.assert_allclose(got["loss"], asgd_jax.models.cross_entropy(logits, ds.y_test), rtol=1e-5)
     np.testing.assert_allclose(got["error"], 1 - asgd_jax.models.accuracy(logits, ds.y_test), rtol=1e-6)
+
+
+def test_an_evaluation_called_eagerly_compiles_once_and_equals_its_jitted_self():
+    """After a run, a notebook calls the evaluation on the weights again and again: its batches' loop is compiled
+    once per evaluation (an equal evaluation of the same shapes shares it), not on every call."""
+    ds = asgd_jax.data.load("digits")
+    model = asgd_jax.models.get("mlp", num_classes=10, input_shape=ds.input_shape)
+    params, state = model.init(jax.random.key(0))
+    evaluate = asgd_jax.classification_eval(model, ds.test, batch_size=100)
+    first = evaluate(params, state)
+    moved = jax.tree.map(lambda w: w + 0.01, params)
+    with compilations() as counts:
+        again = [evaluate(moved, state), asgd_jax.classification_eval(model, ds.test, batch_size=100)(params, state)]
+    assert sum(counts.values()) == 0, counts
+    assert jax.tree.map(float, again[1]) == jax.tree.map(float, first)
+    assert float(again[0]["loss"]) != float(first["loss"])  # the weights are an argument, not a constant
+    jitted = jax.jit(evaluate)(params, state)
+    assert jax.tree.map(float, jitted) == jax.tree.map(float, first)
 
 
 @pytest.mark.slow
