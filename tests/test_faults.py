@@ -362,7 +362,7 @@ def test_a_resume_without_a_whole_trace_or_with_other_settings_is_refused(tmp_pa
     with pytest.raises(ConfigError, match=r"trace\.jsonl is missing"):
         _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True))
     (tmp_path / "trace.jsonl").write_text("".join(lines))
-    with pytest.raises(ConfigError, match="rule: checkpoint"):  # another learning rate: another rule
+    with pytest.raises(ConfigError, match="rule_probe: checkpoint"):  # another learning rate: another rule
         _train(asgd_jax.asgd(0.5), _base(tmp_path, num_updates=30, resume=True))
     with pytest.raises(ConfigError, match="local_lr"):
         _train(asgd_jax.asgd(0.05), _base(tmp_path, num_updates=30, resume=True, n_sync=1, local_lr=0.1))

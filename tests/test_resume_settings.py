@@ -29,7 +29,7 @@ def finished(tmp_path_factory):
         (["--augment"], "loss"),
         (["--dtype", "bfloat16"], "loss"),
         (["--warm-start-steps", "10"], "warm_start_steps"),
-        (["--lr", "0.3"], "rule"),
+        (["--lr", "0.3"], "rule_probe"),
     ],
 )
 def test_a_resume_that_would_compute_something_else_is_refused_in_one_line(finished, flags, key, capsys):
@@ -55,6 +55,18 @@ def test_a_checkpoint_from_before_these_keys_still_resumes_and_is_checked_on_the
         check_header("checkpoint.npz", {**older, "rule": "xyz"}, now)
     with pytest.raises(ConfigError, match="loss: checkpoint 'other' vs now 'l'"):
         check_header("checkpoint.npz", {**older, "loss": "other"}, now)
+
+
+def test_a_checkpoint_with_the_operation_at_a_time_rule_probe_still_resumes():
+    """Before 2026-12-05 a header held the rule's probe as ``rule``, computed an operation at a time; the compiled
+    probe may round apart, so it is a key of its own (``rule_probe``), not compared with the old one."""
+    now = {"num_workers": 2, "rule_probe": "compiled", "recipe": "r", "loss": "l", "warm_start_steps": 0}
+    older = {"num_workers": 2, "rule": "eager", "recipe": "r", "loss": "l", "warm_start_steps": 0}
+    check_header("checkpoint.npz", older, now)
+    with pytest.raises(ConfigError, match="recipe: checkpoint 'other' vs now 'r'"):
+        check_header("checkpoint.npz", {**older, "recipe": "other"}, now)
+    with pytest.raises(ConfigError, match="rule_probe: checkpoint 'x' vs now 'compiled'"):
+        check_header("checkpoint.npz", {**now, "rule_probe": "x"}, now)
 
 
 def test_a_long_setting_that_differs_is_named_by_the_part_that_changed():

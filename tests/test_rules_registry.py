@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.compiles import compilations
 
 import asgd_jax
 from asgd_jax import packing, recipes, rules
@@ -71,6 +72,22 @@ def test_a_registered_rule_compiles_once_per_structure_whatever_its_learning_rat
         want, _ = rule.update(F32_GRADS, state, F32, **extra)
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7), got, want)
     assert len(traces) == 1
+
+
+# Rules whose first two updates of the probe (one worker) do not reach the learning rate: a full round of M workers
+# comes first. A resume checks them by their recipe.
+ROUND_FIRST = {"fadas", "ia2sgd", "malenia", "ringleader"}
+
+
+@pytest.mark.parametrize("name", rules.names())
+def test_a_rules_fingerprint_is_one_program_whatever_its_learning_rate(name):
+    """A run's start fingerprints its rule (the checkpoint's header): one compiled probe per rule structure and
+    weights' shapes, the numbers its arguments, not an operation at a time compiled per leaf shape."""
+    with compilations() as counts:
+        prints = [rules.fingerprint(_built(name, lr), PARAMS) for lr in (0.1, 0.2, 0.1)]
+    assert sum(counts.values()) <= 1, counts
+    assert prints[0] == prints[2]
+    assert (prints[0] == prints[1]) == (name in ROUND_FIRST)
 
 
 @pytest.mark.parametrize("name", rules.names())

@@ -124,7 +124,17 @@ def test_another_runs_trace_with_the_same_flags_is_refused_on_resume(tmp_path):
 def _header(out) -> str:
     saved = np.load(out / "checkpoint.npz")
     header = json.loads(bytes(saved["__header__"]).decode())
-    keys = ("num_workers", "mode", "n_sync", "batch_size", "push", "key", "local_lr", "devices_per_worker", "rule")
+    keys = (
+        "num_workers",
+        "mode",
+        "n_sync",
+        "batch_size",
+        "push",
+        "key",
+        "local_lr",
+        "devices_per_worker",
+        "rule_probe",
+    )
     return json.dumps({k: header[k] for k in (*keys, "data")})
 
 
@@ -279,7 +289,7 @@ def test_a_refused_resume_on_ray_is_one_line_before_any_actor(tmp_path, monkeypa
     _train(_config(tmp_path))
     monkeypatch.setattr(ray_backend, "run", lambda *a, **k: pytest.fail("an actor was started"))
     ray_config = _config(tmp_path, num_updates=30, resume=True).replace(backend="ray")
-    with pytest.raises(ConfigError, match="rule: checkpoint"):  # another learning rate
+    with pytest.raises(ConfigError, match="rule_probe: checkpoint"):  # another learning rate
         _train(ray_config, rule=asgd_jax.asgd(0.5))
     (tmp_path / "trace.jsonl").unlink()
     with pytest.raises(ConfigError, match=r"trace\.jsonl is missing"):

@@ -19,9 +19,11 @@ from asgd_jax.trainer.session import CHECKPOINT
 
 __all__ = ["ADDED_LATER", "Checkpoints", "check_header", "check_resume", "trace_pin"]
 
-ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps", "partition"})
-"""Header keys that older checkpoints do not hold (``partition``: before data partitions; the others: before
-2026-12-03): a resume of such a checkpoint does not check them (everything it does hold is checked)."""
+ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps", "partition", "rule_probe"})
+"""Header keys that older checkpoints do not hold (``partition``: before data partitions; ``rule_probe``: before
+2026-12-05, when the rule's probe (:func:`asgd_jax.rules.fingerprint`) became one compiled program, whose last bits
+may differ from the operation-at-a-time probe those checkpoints hold as ``rule``; the others: before 2026-12-03): a
+resume of such a checkpoint does not check them (everything it does hold is checked, the rule by its recipe)."""
 
 
 def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:

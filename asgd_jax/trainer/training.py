@@ -131,7 +131,7 @@ def _start(loss, rule, params, data, config: TrainConfig, model_state, eval_fn, 
         "key": exchange.key_fingerprint(config.key()),
         "local_lr": plan.local_lr,
         "devices_per_worker": config.devices_per_worker,
-        "rule": rules.fingerprint(rule, params),
+        "rule_probe": rules.fingerprint(rule, params),
         "data": _data_fingerprint(data),
         # What a probe of the rule cannot see (a schedule's later steps) and what the loss computes (the model, its
         # dtype, the augmentation), as stable text; and the warm start's length. Checkpoints before 2026-12-03 lack
