@@ -659,12 +659,14 @@ class Evaluation:
 
     def __call__(self, params, model_state) -> dict[str, jax.Array]:
         data = jax.tree.map(jnp.asarray, self.data)
-        try:  # (called eagerly, after a run: one program per evaluation's value, not its batches' loop compiled anew)
-            hash(self)
+        # Called eagerly (a notebook, after a run): one program per evaluation, kept without its data (an equal one
+        # shares it, and the cache holds no held-out split), not its batches' loop compiled anew on every call.
+        key = dataclasses.replace(self, data=None)
+        try:
+            hash(key)
         except TypeError:  # a model that is not a value: evaluated as it is
             return self.evaluate(params, model_state, data)
-        # Its program keyed on the evaluation without its data (equal all the same): the cache holds no held-out split.
-        return _evaluate(dataclasses.replace(self, data=None), params, model_state, data)
+        return _EVALUATIONS.get(key, lambda: jax.jit(key.evaluate, inline=True))(params, model_state, data)
 
     def _logits(self, params, model_state, xb):
         apply = lambda v: self.model.apply(params, model_state, v, train=False)[0]
@@ -697,7 +699,4 @@ class Evaluation:
         return metrics if y.ndim == 1 else {**metrics, "perplexity": jnp.exp(metrics["loss"])}
 
 
-# Jitted inline: inside a caller's program the same operations; called eagerly, compiled once per evaluation's value.
-_evaluate = jax.jit(
-    lambda e, params, model_state, data: e.evaluate(params, model_state, data), static_argnums=0, inline=True
-)
+_EVALUATIONS = cache.Kept(8)  # an evaluation's program when called eagerly (jitted inline: in a program, as written)

@@ -3,11 +3,19 @@ checked against the checkpoint (#34 item 12: the schedule, the augmentation, the
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
+from asgd_jax import rules
 from asgd_jax.cli import main
 from asgd_jax.errors import ConfigError
-from asgd_jax.trainer.persistence import ADDED_LATER, check_header
+from asgd_jax.trainer.persistence import ADDED_LATER, check_header, check_resume
 
 pytestmark = pytest.mark.xdist_group("resume_settings")  # one worker trains the module's run once
 
@@ -48,25 +56,57 @@ def test_the_same_settings_resume(finished):
 
 
 def test_a_checkpoint_from_before_these_keys_still_resumes_and_is_checked_on_the_rest():
-    now = {"num_workers": 2, "rule": "abc", "recipe": "r", "loss": "l", "warm_start_steps": 0}
+    now = {"num_workers": 2, "rule_probe": "abc", "recipe": "r", "loss": "l", "warm_start_steps": 0}
     older = {k: v for k, v in now.items() if k not in ADDED_LATER}
     check_header("checkpoint.npz", older, now)  # nothing to compare the new keys with: accepted
-    with pytest.raises(ConfigError, match="rule: checkpoint 'xyz' vs now 'abc'"):
-        check_header("checkpoint.npz", {**older, "rule": "xyz"}, now)
+    with pytest.raises(ConfigError, match="num_workers: checkpoint 3 vs now 2"):
+        check_header("checkpoint.npz", {**older, "num_workers": 3}, now)
     with pytest.raises(ConfigError, match="loss: checkpoint 'other' vs now 'l'"):
         check_header("checkpoint.npz", {**older, "loss": "other"}, now)
 
 
-def test_a_checkpoint_with_the_operation_at_a_time_rule_probe_still_resumes():
-    """Before 2026-12-05 a header held the rule's probe as ``rule``, computed an operation at a time; the compiled
-    probe may round apart, so it is a key of its own (``rule_probe``), not compared with the old one."""
-    now = {"num_workers": 2, "rule_probe": "compiled", "recipe": "r", "loss": "l", "warm_start_steps": 0}
-    older = {"num_workers": 2, "rule": "eager", "recipe": "r", "loss": "l", "warm_start_steps": 0}
-    check_header("checkpoint.npz", older, now)
-    with pytest.raises(ConfigError, match="recipe: checkpoint 'other' vs now 'r'"):
-        check_header("checkpoint.npz", {**older, "recipe": "other"}, now)
-    with pytest.raises(ConfigError, match="rule_probe: checkpoint 'x' vs now 'compiled'"):
-        check_header("checkpoint.npz", {**now, "rule_probe": "x"}, now)
+def _with_header(folder, change) -> None:
+    """``folder``'s checkpoint with its header changed by ``change(header)`` (the arrays as they are)."""
+    path = folder / "checkpoint.npz"
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in f.files}
+    header = json.loads(bytes(arrays["__header__"]).decode())
+    change(header)
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def test_a_checkpoint_from_before_the_compiled_probe_is_checked_on_the_probe_it_holds(finished, tmp_path, capsys):
+    """Before 2026-12-05 a header held the rule's probe as ``rule``, computed an operation at a time (the compiled
+    probe may round apart: ``rule_probe``, a key of its own). A resume of such a checkpoint computes that older probe
+    for its rule and compares it; a newer checkpoint never computes it."""
+
+    def never():
+        raise AssertionError("a checkpoint that holds rule_probe computes no older probe")
+
+    check_resume(finished, {"num_workers": 2}, {"rule": never})
+    folder = tmp_path / "older"
+    shutil.copytree(finished, folder)
+    _with_header(folder, lambda h: (h.pop("rule_probe"), h.update(rule="0123456789abcdef")))  # as written then
+    argv = [*BASE, "--num-updates", "30", "--no-progress", "--out", str(folder), "--resume"]
+    assert main(argv) == 2
+    refused = re.search(r"rule: checkpoint '0123456789abcdef' vs now '([0-9a-f]{16})'", capsys.readouterr().err)
+    assert refused, "the older probe was not computed and compared"
+    _with_header(folder, lambda h: h.update(rule=refused.group(1)))  # what that checkpoint would have held
+    assert main(argv) == 0
+    assert len((folder / "trace.jsonl").read_text().splitlines()) >= 30
+
+
+def test_the_operation_at_a_time_probe_is_the_one_older_checkpoints_hold():
+    """``rules.fingerprint(..., eager=True)`` gives the values the probe gave before 2026-12-05 (computed then, at
+    52a82a1), so that their checkpoints resume; the compiled probe may round apart (DC-ASGD-a here)."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.arange(3, dtype=jnp.bfloat16)}
+    assert rules.fingerprint(rules.get("dc_asgd_a", 0.1), params, eager=True) == "8ad42ee757266cfd"
+    assert rules.fingerprint(rules.get("asgd", 0.05), params, eager=True) == "28007fc977c95fcb"
+    assert rules.fingerprint(rules.get("asgd", 0.05), params) == "28007fc977c95fcb"
+    by_hand = optax.chain(optax.clip(1.0), rules.asgd(0.1))  # (no recipe: probed an operation at a time, as then)
+    assert rules.fingerprint(by_hand, params) == "853409115a3b0df9"
 
 
 def test_a_long_setting_that_differs_is_named_by_the_part_that_changed():

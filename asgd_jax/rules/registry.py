@@ -203,15 +203,20 @@ def register(name: str, factory: Callable[..., optax.GradientTransformationExtra
     RULES[name] = factory if getattr(factory, "is_recipe", False) else recipe(factory)
 
 
-def fingerprint(rule: optax.GradientTransformation, params: Any) -> str:
+def fingerprint(rule: optax.GradientTransformation, params: Any, *, eager: bool = False) -> str:
     """A short hash of what ``rule`` does: its first two updates of a fixed probe shaped like ``params``.
 
     Two rules that differ in a hyperparameter (learning rate, lambda, momentum, ...) give different fingerprints;
     the same rule built twice gives the same one (computed on the CPU, rounded to 6 significant digits). A resumed
     run checks it, so that a run is never continued with another rule. A change that only shows after two updates
-    (a schedule's later steps) is not seen. The probe is one compiled program per rule structure and weights' shapes,
-    the rule's numbers its arguments (a run's start: 0.5 s for the ``cnn`` on a cold cache, 3.5 s when it ran an
-    operation at a time).
+    (a schedule's later steps, a rule that waits for a round of its workers) is not seen.
+
+    A rule built from its recipe (every registered rule, :mod:`asgd_jax.recipes`) is probed by one compiled program
+    per rule structure and weights' shapes, its numbers the program's arguments: a run's start on a cold cache, 0.5 s
+    for the ``cnn``'s DC-ASGD-a where an operation at a time took 3.5 s. A rule composed by hand, or ``eager``, is
+    probed an operation at a time (each compiled once per leaf shape: a rule rebuilt in a notebook compiles nothing
+    new), which is also how checkpoints before 2026-12-05 computed theirs (its last bits may round apart from the
+    compiled probe's).
 
     Example:
       >>> import jax.numpy as jnp, asgd_jax
@@ -223,28 +228,41 @@ def fingerprint(rule: optax.GradientTransformation, params: Any) -> str:
     """
     import hashlib
 
-    built = recipes.of(rule)  # (numbers as arguments: a rule at another learning rate compiles nothing new)
-    structure, numbers = (rule, {}) if built is None else (built.structure, built.numbers)
+    built = None if eager else recipes.of(rule)
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32), params)
+    key = (
+        None
+        if built is None
+        else (built.structure, jax.tree.structure(shapes), tuple(np.shape(p) for p in jax.tree.leaves(params)))
+    )
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu), jax.transfer_guard("allow"):
-        key = (structure, jax.tree.structure(shapes), tuple(x.shape for x in jax.tree.leaves(shapes)))
-        program = _PROBES.get(
-            key, lambda: jax.jit(functools.partial(_probe, None if built else rule, structure, shapes))
-        )
-        out = [np.asarray(u, np.float64) for u in program(numbers)]
+        if key is None or not _hashable(key):
+            updates = _probe(rule, None, shapes, {})
+        else:  # (numbers as arguments: a rule at another learning rate compiles nothing new)
+            program = _PROBES.get(key, lambda: jax.jit(functools.partial(_probe, None, built.structure, shapes)))
+            updates = program(built.numbers)
+        out = [np.asarray(u, np.float64) for u in updates]
     digest = hashlib.sha256()
     for u in out:  # a leaf's first elements and its sum, to 6 significant digits: cheap for a big model, and stable
         digest.update(" ".join(f"{x:.6g}" for x in [*u.ravel()[:64], u.sum()]).encode())
     return digest.hexdigest()[:16]
 
 
+def _hashable(key: Any) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
 _PROBES = cache.Kept(16)  # fingerprint's programs, per rule structure and weights' shapes
 
 
 def _probe(rule: Any, structure: Any, shapes: Any, numbers: Any) -> list[jax.Array]:
-    """:func:`fingerprint`'s two updates of its probe, every leaf of both, in one program (eagerly: an operation at a
-    time, each compiled for its leaf's shape, ~3.5 s for the cnn on a cold cache)."""
+    """:func:`fingerprint`'s two updates of its probe, every leaf of both: ``rule``, or (``None``) the rule of the
+    recipe ``structure`` at ``numbers``; jitted, one program, else an operation at a time."""
     rule = recipes.Recipe(structure, numbers).build() if rule is None else rule
     probe = jax.tree.map(lambda p: 0.01 * (1.0 + jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape) % 7), shapes)
     grads = jax.tree.map(lambda p: 0.5 - p, probe)

@@ -21,9 +21,9 @@ __all__ = ["ADDED_LATER", "Checkpoints", "check_header", "check_resume", "trace_
 
 ADDED_LATER = frozenset({"recipe", "loss", "warm_start_steps", "partition", "rule_probe"})
 """Header keys that older checkpoints do not hold (``partition``: before data partitions; ``rule_probe``: before
-2026-12-05, when the rule's probe (:func:`asgd_jax.rules.fingerprint`) became one compiled program, whose last bits
-may differ from the operation-at-a-time probe those checkpoints hold as ``rule``; the others: before 2026-12-03): a
-resume of such a checkpoint does not check them (everything it does hold is checked, the rule by its recipe)."""
+2026-12-05, whose checkpoints hold the rule's probe as ``rule``, computed an operation at a time, which
+:func:`check_resume` computes again for them; the others: before 2026-12-03): a resume of such a checkpoint does not
+check them (everything it does hold is checked)."""
 
 
 def trace_pin(header: dict[str, Any]) -> tuple[int, str | None]:
@@ -46,12 +46,21 @@ def check_header(path: str, saved: dict[str, Any], header: dict[str, Any]) -> No
         )
 
 
-def check_resume(out_dir: str | os.PathLike, header: dict[str, Any]) -> None:
+def check_resume(
+    out_dir: str | os.PathLike, header: dict[str, Any], older: dict[str, Callable[[], Any]] | None = None
+) -> None:
     """What a store resuming in ``out_dir`` would refuse, checked where the run starts (before any store or worker is
     made, on any backend): a checkpoint of another run (its header differs from ``header``, which holds the worker
-    count), or a trace that no longer reaches the checkpoint. Raises a ``ConfigError`` saying which."""
+    count), or a trace that no longer reaches the checkpoint. Raises a ``ConfigError`` saying which.
+
+    ``older``: keys that older checkpoints hold in place of today's, each with how to compute it now; one the
+    checkpoint holds is computed and added to ``header`` (so the store's own check, and the checkpoints it writes,
+    hold it too)."""
     path = os.path.join(os.fspath(out_dir), CHECKPOINT)
     saved = checkpoint.read_header(path)
+    for key, now in (older or {}).items():
+        if key in saved and key not in header:
+            header[key] = now()
     check_header(path, saved, header)
     trace.whole_records(os.path.join(os.fspath(out_dir), trace.FILE), *trace_pin(saved))
 

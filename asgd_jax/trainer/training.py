@@ -143,7 +143,9 @@ def _start(loss, rule, params, data, config: TrainConfig, model_state, eval_fn, 
     }
     header.update(config.discipline.header())  # (keys only such runs have: older checkpoints still resume)
     if config.resume and config.out is not None and os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
-        check_resume(config.out, header)  # a stale checkpoint or trace is refused here, before anything starts
+        # A stale checkpoint or trace is refused here, before anything starts; one from before 2026-12-05 holds the
+        # rule's probe as it was computed then.
+        check_resume(config.out, header, {"rule": lambda: rules.fingerprint(rule, params, eager=True)})
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, run.devices)
     if config.out is not None:
         _record_plan(config.out, plan)
