@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-__all__ = ["ENV", "Kept", "clear", "compile_with", "data_folder", "enable", "folder", "platform_of"]
+__all__ = ["ENV", "Kept", "clear", "compile_with", "data_folder", "enable", "folder", "hashable", "platform_of"]
 
 ENV = "ASGD_JAX_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "")
@@ -106,6 +106,15 @@ def platform_of(tree: Any) -> str:
     return jax.default_backend()
 
 
+def hashable(obj: Any) -> bool:
+    """Whether ``obj`` can key a cache (a value: a program kept for it serves every equal one)."""
+    try:
+        hash(obj)
+    except TypeError:
+        return False
+    return True
+
+
 _UNKNOWN_OPTIONS: set[tuple] = set()  # option sets this jaxlib refused: compiled with XLA's defaults from then on
 
 
@@ -162,9 +171,7 @@ class Kept:
 
     def get(self, key: Any, build: Callable[[], Any]) -> Any:
         """What is kept for ``key``, or ``build()`` kept for it (built outside the lock: a build may compile)."""
-        try:
-            hash(key)
-        except TypeError:
+        if not hashable(key):
             return build()
         with self._lock:
             if key in self._kept:

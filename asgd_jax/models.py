@@ -291,9 +291,7 @@ class Model:
         randomness = (jax.config.jax_threefry_partitionable, str(jax.config.jax_default_prng_impl))
         signature = (np.shape(key), str(key.dtype), where, tuple(sorted((options or {}).items())), randomness)
         build = lambda: cache.compile_with(self._init.lower(key), options)
-        try:
-            hash(self)
-        except TypeError:  # (a module of one's own that is not a value: its programs kept on this model alone)
+        if not cache.hashable(self):  # (a module of one's own that is not a value: its programs kept on it alone)
             if signature not in self._programs:
                 self._programs[signature] = build()
             return self._programs[signature]
@@ -662,9 +660,7 @@ class Evaluation:
         # Called eagerly (a notebook, after a run): one program per evaluation, kept without its data (an equal one
         # shares it, and the cache holds no held-out split), not its batches' loop compiled anew on every call.
         key = dataclasses.replace(self, data=None)
-        try:
-            hash(key)
-        except TypeError:  # a model that is not a value: evaluated as it is
+        if not cache.hashable(key):  # a model that is not a value: evaluated as it is
             return self.evaluate(params, model_state, data)
         return _EVALUATIONS.get(key, lambda: jax.jit(key.evaluate, inline=True))(params, model_state, data)
 

@@ -230,14 +230,11 @@ def fingerprint(rule: optax.GradientTransformation, params: Any, *, eager: bool 
 
     built = None if eager else recipes.of(rule)
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32), params)
-    key = (
-        None
-        if built is None
-        else (built.structure, jax.tree.structure(shapes), tuple(np.shape(p) for p in jax.tree.leaves(params)))
-    )
+    layout = (jax.tree.structure(shapes), tuple(x.shape for x in jax.tree.leaves(shapes)))
+    key = None if built is None else (built.structure, *layout)
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu), jax.transfer_guard("allow"):
-        if key is None or not _hashable(key):
+        if key is None or not cache.hashable(key):
             updates = _probe(rule, None, shapes, {})
         else:  # (numbers as arguments: a rule at another learning rate compiles nothing new)
             program = _PROBES.get(key, lambda: jax.jit(functools.partial(_probe, None, built.structure, shapes)))
@@ -247,14 +244,6 @@ def fingerprint(rule: optax.GradientTransformation, params: Any, *, eager: bool 
     for u in out:  # a leaf's first elements and its sum, to 6 significant digits: cheap for a big model, and stable
         digest.update(" ".join(f"{x:.6g}" for x in [*u.ravel()[:64], u.sum()]).encode())
     return digest.hexdigest()[:16]
-
-
-def _hashable(key: Any) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
 
 
 _PROBES = cache.Kept(16)  # fingerprint's programs, per rule structure and weights' shapes

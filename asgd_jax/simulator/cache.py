@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asgd_jax import errors, exchange
+from asgd_jax import cache, errors, exchange
 from asgd_jax import loss as loss_lib
 from asgd_jax.exchange import Exchange
 from asgd_jax.plan import Plan
@@ -67,15 +67,7 @@ def _code(obj: Any) -> Hashable:
     code = getattr(obj, "__code__", None)
     if code is not None:
         return code
-    return obj if _hashable(obj) else id(type(obj))
-
-
-def _hashable(obj: Any) -> bool:
-    try:
-        hash(obj)
-    except TypeError:
-        return False
-    return True
+    return obj if cache.hashable(obj) else id(type(obj))
 
 
 _WHAT = {"loss": "the loss function", "eval_fn": "eval_fn", "rule": "the rule", "delays": "the delay function"}
