@@ -153,6 +153,10 @@ def test_ray_backend_trace_replays_and_counts_add_up(local_ray, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in records if r["kind"] == "eval"] == [10, 20, 30, 40]
     assert records[-1]["kind"] == "final" and records[-1]["applied"] == 40
+    # Each evaluation's time is when the store actor (another process) took its weights, on the driver's clock.
+    evals, others = [r for r in records if r["kind"] == "eval"], [r for r in records if r["kind"] != "eval"]
+    assert [e["time"] for e in evals] == sorted(e["time"] for e in evals) and evals[0]["time"] >= 0
+    assert all(e["time"] <= r["time"] for e in evals for r in others if r["applied"] >= e["update"])
     assert sum(n for r in records if r["kind"] != "eval" for n in r["staleness_histogram"].values()) == 40
     assert dict(result.staleness_counts) == {int(k): v for k, v in _histogram(records).items()}
 

@@ -255,3 +255,9 @@ def test_evaluation_runs_beside_the_workers_and_metrics_stream_to_jsonl(tmp_path
     total = sum(n for r in records if r["kind"] != "eval" for n in r["staleness_histogram"].values())
     assert total == 40
     assert [r["update"] for r in records if r["kind"] == "eval"] == [10, 20, 30, 40]
+    # An evaluation's time is when its weights existed, on the train records' clock: no later than any record that
+    # had reached its update (not when the evaluator, which lags, got to it; that put them after the final record).
+    evals, others = [r for r in records if r["kind"] == "eval"], [r for r in records if r["kind"] != "eval"]
+    assert [e["time"] for e in evals] == sorted(e["time"] for e in evals) and evals[0]["time"] >= 0
+    for e in evals:
+        assert all(e["time"] <= r["time"] for r in others if r["applied"] >= e["update"]), (e, others)

@@ -239,7 +239,7 @@ class Applier:
         if self._snapshot_due(applied):
             # The server's weights (a pull-side rule sends a look-ahead instead: that is not what is evaluated).
             weights = store.server.weights() if store.server.sends else answer
-            self.snapshots.append(Snapshot(applied, *store.server.unpack(weights)))
+            self.snapshots.append(Snapshot(applied, *store.server.unpack(weights), taken=time.time()))
 
     def _reject_nonfinite(self, worker: int, pulled_version: int, round_info: tuple | None) -> BadPush:
         """Counts a NaN/Inf push (its minibatches used up, traced) and stops the store on policy or after a streak."""

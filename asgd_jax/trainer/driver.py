@@ -106,6 +106,8 @@ def drive(
     c, workers = config, config.plan.workers
     start = time.perf_counter()
     metrics.restart_clock(start)
+    if evaluator is not None:
+        evaluator.start_clock(time.time())
     run = _Run(backend, c, metrics, evaluator, status, start)
     bar = tqdm(
         total=c.plan.num_updates,

@@ -165,11 +165,14 @@ class StoreStatus(NamedTuple):
 
 
 class Snapshot(NamedTuple):
-    """Host copies of the server's weights right after update ``version`` (to evaluate)."""
+    """Host copies of the server's weights right after update ``version`` (to evaluate), and when the store took them
+    (``time.time()``: a wall clock, so that a store in another process, or on another machine of a Ray cluster, and
+    the driver agree on it within the machines' clock sync)."""
 
     version: int
     params: Any
     model_state: Any
+    taken: float
 
 
 class Progress(NamedTuple):

@@ -110,7 +110,9 @@ class TrainResult:
       seconds: wall time of the run phase (this session).
       losses: per worker, the training losses of its pushes (this session).
       workers: per worker, where its time went (:class:`WorkerStats`).
-      evals: the evaluations, ``{"update": t, "time": s, **eval_fn(...)}`` in update order.
+      evals: the evaluations, ``{"update": t, "time": s, **eval_fn(...)}`` in update order; ``time`` is when the
+        store took the weights after update ``t``, in seconds from this session's start (the clock of the ``train``
+        records of ``metrics.jsonl``), not when the evaluation, which runs beside the training, finished.
       resumed_from: the update the run resumed at (0 for a fresh run).
       staleness_counts: ``{staleness: applied pushes}`` over the whole run.
       ended: ``"finished"`` (the budget was reached), ``"timeout"`` (``timeout`` cut it short: ``resume`` continues),
@@ -242,25 +244,27 @@ class Evaluator:
         self.device, self.write = device, write
         self.history: list[dict[str, float]] = []
         self._queue: queue.Queue = queue.Queue()
-        self._t0 = time.perf_counter()
+        self._start = time.time()  # the run phase's start (start_clock): an evaluation's time counts from it
         self._thread: threading.Thread | None = None
+
+    def start_clock(self, start: float) -> None:
+        """The run phase starts at ``start`` (``time.time()``): an evaluation's ``time`` is when its snapshot was
+        taken, in seconds from then, the clock of the ``train`` records (not when the evaluation finished)."""
+        self._start = start
 
     def warm_up(self, params, model_state) -> None:
         jax.block_until_ready(self.fn(*jax.device_put((params, model_state), self.device), self.data))
 
     def submit(self, snapshot: Snapshot) -> None:
         """Queues a :class:`~asgd_jax.trainer.messages.Snapshot` of the weights for evaluation."""
-        self._submit(*snapshot)
-
-    def _submit(self, version: int, params, model_state) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, daemon=True, name="evaluator")
             self._thread.start()
-        self._queue.put((version, params, model_state))
+        self._queue.put(snapshot)
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            version, params, model_state = item
+            version, params, model_state, taken = item
             try:
                 out = jax.device_get(self.fn(*jax.device_put((params, model_state), self.device), self.data))
             except Exception as e:  # an evaluation must never take training down
@@ -268,7 +272,7 @@ class Evaluator:
                 continue
             record = {
                 "update": version,
-                "time": time.perf_counter() - self._t0,
+                "time": max(0.0, taken - self._start),  # (a push the store applied as the driver's clock started)
                 **{k: float(v) for k, v in out.items()},
             }
             self.history.append(record)
@@ -283,7 +287,7 @@ class Evaluator:
         """Evaluates the final weights unless the last evaluation was of them; returns every evaluation."""
         self.close()
         if not self.history or self.history[-1]["update"] != version:
-            self._submit(version, params, model_state)
+            self.submit(Snapshot(version, params, model_state, taken=time.time()))
             self.close()
         return self.history
 
