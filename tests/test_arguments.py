@@ -271,7 +271,34 @@ TRAIN_BAD = {
     "store_device": st.one_of(
         st.integers(), st.none(), st.text(max_size=6).filter(lambda s: re.fullmatch(r"[a-z]+(:\d+)?", s) is None)
     ),
+    "args": st.one_of(  # not a table; keys that are not strings; values JSON cannot hold
+        st.lists(st.text(max_size=2), min_size=1, max_size=2),
+        st.integers(),
+        st.text(max_size=3),
+        st.dictionaries(st.integers(), st.integers(), min_size=1, max_size=2),
+        st.dictionaries(
+            st.text(max_size=3),
+            st.one_of(st.sampled_from([math.nan, math.inf, -math.inf]), st.builds(object), st.sets(st.integers())),
+            min_size=1,
+            max_size=2,
+        ),
+    ),
 }
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=8,
+)
+
+
+@SETTINGS
+@given(args=st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=4))
+def test_train_config_keeps_any_table_of_json_values_as_json_reads_it_back(args):
+    import json
+
+    kept = asgd_jax.TrainConfig(asgd_jax.Plan(2), args=args).args
+    assert kept == json.loads(json.dumps(args)) and json.loads(json.dumps(kept)) == kept
 
 
 @SETTINGS

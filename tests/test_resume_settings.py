@@ -121,3 +121,55 @@ def test_a_long_setting_that_differs_is_named_by_the_part_that_changed():
     message = str(refused.value)
     assert "'boundaries': (15, 22)" in message and "'boundaries': (20, 30)" in message
     assert "x" * 30 not in message and len(message) < len(saved)
+
+
+def test_a_resume_continues_with_the_runs_own_flags_and_a_flag_given_wins(finished, tmp_path, capsys):
+    """``train --out F --resume`` alone continues the run in F with the flags that started it (its ``args.json``,
+    written when the run took the folder); a flag on the command line wins, and is checked like any other."""
+    folder = tmp_path / "copy"
+    shutil.copytree(finished, folder)
+    record = json.loads((folder / "args.json").read_text())
+    assert record["dataset"] == "digits" and record["workers"] == 2 and record["lr"] == 0.1  # BASE, not the defaults
+    assert main(["train", "--out", str(folder), "--resume", "--lr", "0.3", "--no-progress"]) == 2
+    assert "rule_probe: checkpoint" in capsys.readouterr().err  # the given --lr won, and was refused
+    before = _applied(folder)  # (20, or 30 once the module's last test extended the run)
+    assert main(["train", "--out", str(folder), "--resume", "--num-updates", str(before + 10), "--no-progress"]) == 0
+    assert f"the run's flags from {folder / 'args.json'}" in capsys.readouterr().out
+    assert len((folder / "trace.jsonl").read_text().splitlines()) >= before + 10
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["resumed_from"] == before and summary["pushes_applied"] == before + 10
+    assert summary["args"] == json.loads((folder / "args.json").read_text())  # this session's flags
+    assert summary["args"]["num_updates"] == before + 10 and summary["args"]["model"] == "mlp"
+
+
+def _applied(folder) -> int:
+    return json.loads((folder / "summary.json").read_text())["pushes_applied"]
+
+
+def test_a_resume_takes_no_session_flags_from_the_record_and_reads_an_older_runs_summary(finished, tmp_path):
+    """``--timeout``, ``--progress`` (and ``--out``, ``--resume``, ``--config``) belong to one session: a record's
+    are not taken. A run from before ``args.json`` has its flags in ``summary.json``; a run with neither is resumed
+    with the flags given, as before (here the defaults: another run, refused)."""
+    folder = tmp_path / "copy"
+    shutil.copytree(finished, folder)
+    record = json.loads((folder / "args.json").read_text())
+    (folder / "args.json").write_text(json.dumps({**record, "timeout": 1e-6, "out": "elsewhere"}))
+    n = _applied(folder) + 5
+    assert main(["train", "--out", str(folder), "--resume", "--num-updates", str(n), "--no-progress"]) == 0  # not 3
+    assert _applied(folder) == n
+    (folder / "args.json").unlink()  # an older run: summary.json's "args" (the record of the session before)
+    assert main(["train", "--out", str(folder), "--resume", "--num-updates", str(n + 5), "--no-progress"]) == 0
+    assert json.loads((folder / "args.json").read_text())["num_updates"] == n + 5 == _applied(folder)
+    (folder / "args.json").unlink()
+    (folder / "summary.json").unlink()
+    assert main(["train", "--out", str(folder), "--resume", "--num-updates", str(n + 10), "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("text", ['{"workers": 2', "[1, 2]"])
+def test_a_broken_record_of_flags_is_one_line_naming_it(finished, tmp_path, text, capsys):
+    folder = tmp_path / "copy"
+    shutil.copytree(finished, folder)
+    (folder / "args.json").write_text(text)  # cut short by a full disk; not a table
+    assert main(["train", "--out", str(folder), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(folder / "args.json") in err, err

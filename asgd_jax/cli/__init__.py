@@ -80,12 +80,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line's arguments, a ``--config`` file's values in place (flags on the command line still win)."""
+    """The command line's arguments, a ``--config`` file's values in place (flags on the command line still win);
+    ``train --resume``: the run's own flags under both (:func:`asgd_jax.cli.train.flags_of_run`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    configured: dict = {}
     if getattr(args, "config", None):  # file values become the defaults; flags on the command line still win
-        args.parser.set_defaults(**load_config(args.config, args.actions))
+        configured = load_config(args.config, args.actions)
+        args.parser.set_defaults(**configured)
         args = parser.parse_args(argv)
+    of_run = getattr(args, "flags_of_run", None)
+    found = of_run(args.out) if of_run is not None and args.resume and args.out else None
+    if found is not None:  # the run's flags, then the file's, then the command line's
+        flags, args_path = found
+        unknown = sorted(set(flags) - {a.dest for a in args.actions})
+        if unknown:
+            print(
+                f"asgd-jax: --resume: {args_path} names flags this asgd_jax lacks, ignored: {unknown}", file=sys.stderr
+            )
+        args.parser.set_defaults(**{**{k: v for k, v in flags.items() if k not in unknown}, **configured})
+        args = parser.parse_args(argv)
+        args.flags_from = args_path
     args.top_parser = parser
     return args
 

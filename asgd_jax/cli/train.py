@@ -177,7 +177,8 @@ def add_train(sub) -> None:
         const=True,
         default=False,
         type=_resume_flag,
-        help="continue from --out's checkpoint (which must be there); --resume auto: continue if there is one",
+        help="continue from --out's checkpoint (which must be there) with the run's own flags (its args.json; flags "
+        "given here win); --resume auto: continue if there is one",
     )
     a("--warm-start-steps", type=int, default=d.warm_start_steps, help="first K updates with a single worker")
     a("--eval-every", type=int, default=dp.eval_every, help="updates between evaluations [about a twentieth]")
@@ -189,7 +190,7 @@ def add_train(sub) -> None:
     a("--slowdown", nargs="+", default=None, metavar="W:F", help="straggler study: worker W F times slower")
     a("--timeout", type=float, default=d.timeout, help="seconds before the run is stopped")
     _add_where_flags(a, d)
-    p.set_defaults(func=_train, parser=p, actions=actions)
+    p.set_defaults(func=_train, parser=p, actions=actions, flags_of_run=flags_of_run)
 
 
 def _add_where_flags(a, d) -> None:
@@ -275,9 +276,41 @@ def train_config(args: argparse.Namespace):
         )
         workers = delays.Workers(args.workers, speeds=args.dylu, dylu=True)
     plan = Plan(workers, **{name: getattr(args, name) for name in PLAN_FLAGS})
-    skip = ("plan", "slowdown")
+    skip = ("plan", "slowdown", "args")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in skip}
     return TrainConfig(plan, **values, slowdown=_parse_slowdown(args.slowdown))
+
+
+SESSION_FLAGS = ("config", "resume", "out", "timeout", "progress")
+"""The flags of one session of a run, not of the run: ``--resume`` takes every other flag from the run's record."""
+
+
+def run_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Every ``train`` flag's value, as JSON holds it (``--partition`` as its text): the run's record, ``args.json``."""
+    values = {a.dest: getattr(args, a.dest) for a in args.actions if a.dest != "help"}
+    return json.loads(json.dumps(values, default=str))
+
+
+def flags_of_run(out: str) -> tuple[dict[str, Any], str] | None:
+    """The flags that started the run in ``out`` (its ``args.json``, or an older run's ``summary.json``), less those
+    of a session (:data:`SESSION_FLAGS`), and the file they came from; None when ``out`` has neither."""
+    from asgd_jax import checkpoint
+    from asgd_jax.trainer import ARGS
+    from asgd_jax.trainer.session import SUMMARY
+
+    for name in (ARGS, SUMMARY):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            record = checkpoint.read_json(path)
+            flags = record.get("args") if name == SUMMARY and isinstance(record, dict) else record
+            if name == SUMMARY and flags is None:  # a run of the Python API, or from before the record: none
+                return None
+            if not isinstance(flags, dict):
+                raise errors.ConfigError(
+                    f"--resume: {path} holds no table of flags: resume with the run's flags given."
+                )
+            return {k: v for k, v in flags.items() if k not in SESSION_FLAGS}, path
+    return None
 
 
 def keep_the_driver_on_the_cpu() -> None:
@@ -329,30 +362,15 @@ def train_rule(args: argparse.Namespace, setup: Any, plan: Any, num_examples: in
     return setup.rule(args.rule, setup.learning_rate_schedule(plan.num_updates, per_epoch), **hp)
 
 
-def _add_args_to_summary(out: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Adds the command line's flags to the run's ``summary.json`` (if the run wrote one); returns the summary."""
-    from asgd_jax import checkpoint  # (here: the CLI starts without JAX)
-
-    path = os.path.join(out, "summary.json")
-    if not os.path.exists(path):  # stopped before the session began: there is no summary to add to
-        return {}
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-        summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "actions", "top_parser")}
-        checkpoint.write_json(path, summary)  # atomically: a failed write leaves the trainer's summary whole
-    except (OSError, ValueError) as e:
-        print(f"asgd-jax: could not update {path}: {e}", file=sys.stderr)
-        return {}
-    return summary
-
-
 def _train(args: argparse.Namespace) -> int:
     config = train_config(args)  # every flag checked before anything loads
     setup = setup_of(args)
     train_rule(args, setup, config.plan)  # the rule's flags too (the schedule is made again once the data is known)
+    config = config.replace(args=run_flags(args))  # every flag checked: the run's record of them (args.json)
     if config.backend == "ray":
         keep_the_driver_on_the_cpu()
+    if getattr(args, "flags_from", None):
+        print(f"asgd-jax train: --resume with the run's flags from {args.flags_from} (flags given here win)")
     print(f"asgd-jax train: loading {args.dataset} and building {args.model}...", flush=True)
     import jax
 
@@ -391,7 +409,6 @@ def _train(args: argparse.Namespace) -> int:
             eval_fn=evaluation,
         )
     except KeyboardInterrupt as e:
-        _add_args_to_summary(config.out, args)
         if os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
             print(
                 f"asgd-jax: {e or 'interrupted'} (checkpoint in {config.out}; add --resume to continue)",
@@ -401,15 +418,14 @@ def _train(args: argparse.Namespace) -> int:
             print("asgd-jax: interrupted before the first checkpoint: nothing to resume", file=sys.stderr)
         return 130
     except errors.RunStopped as e:
-        _add_args_to_summary(config.out, args)
         saved = os.path.exists(os.path.join(config.out, session.CHECKPOINT))
         kept = "The last good checkpoint and" if saved else "No checkpoint had been written yet;"
         print(f"asgd-jax: {e}. {kept} summary.json {'are' if saved else 'is'} in {config.out}.", file=sys.stderr)
         return 1
-    return _report(result, _add_args_to_summary(config.out, args), config, ds.num_classes, args.lr)
+    return _report(result, config, ds.num_classes, args.lr)
 
 
-def _report(result: Any, summary: dict[str, Any], config: Any, num_classes: int, lr: float) -> int:
+def _report(result: Any, config: Any, num_classes: int, lr: float) -> int:
     """The finished run's line (its test error, pushes and rate), a word when the model learned nothing, and the exit
     code: 0, 1 (a worker failed) or 3 (stopped by ``--timeout``)."""
     error = f"{100 * result.evals[-1]['error']:.2f}%" if result.evals else "n/a"
@@ -421,7 +437,7 @@ def _report(result: Any, summary: dict[str, Any], config: Any, num_classes: int,
     late += f", computations stopped {stopped}" if stopped else ""
     print(
         f"test error {error} | pushes sent {result.pushes_sent}, applied {result.pushes_applied}, "
-        f"rejected {result.pushes_rejected}{late} | {summary.get('updates_per_second', 0):.0f} updates/s | "
+        f"rejected {result.pushes_rejected}{late} | {result.updates_per_second:.0f} updates/s | "
         f"trace: {result.trace_path}"
     )
     last = result.evals[-1] if result.evals else {}

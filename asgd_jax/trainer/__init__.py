@@ -24,9 +24,9 @@ from asgd_jax import cache as _cache
 from asgd_jax.trainer.config import TrainConfig
 from asgd_jax.trainer.messages import WorkerStats
 from asgd_jax.trainer.session import TrainResult
-from asgd_jax.trainer.training import PLAN, replay_plan, train
+from asgd_jax.trainer.training import ARGS, PLAN, replay_plan, train
 
-__all__ = ["PLAN", "TrainConfig", "TrainResult", "WorkerStats", "clear_cache", "replay_plan", "train"]
+__all__ = ["ARGS", "PLAN", "TrainConfig", "TrainResult", "WorkerStats", "clear_cache", "replay_plan", "train"]
 
 
 def clear_cache() -> None:

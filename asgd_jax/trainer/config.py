@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -46,7 +47,7 @@ class TrainConfig:
       devices_per_worker: devices per worker; worker w owns group ``w mod (devices // devices_per_worker)``, its
         minibatch is split over the group and the gradients averaged inside it.
       out: the run's folder: ``plan.json``, ``trace.jsonl``, ``metrics.jsonl``, ``checkpoint.npz``, ``model.npz``,
-        ``summary.json``.
+        ``summary.json`` (and ``args.json``, with ``args``).
       resume: ``True``: continue from ``out``'s checkpoint (one must be there); ``"auto"``: continue if there is one,
         else start; ``False``: start (an existing checkpoint is an error, never overwritten).
       warm_start_steps: first this many updates with a single worker, then all M start from its weights.
@@ -66,6 +67,9 @@ class TrainConfig:
       max_restarts: Ray: how often a dead worker actor is restarted before it is dropped.
       tensorboard: also write every record of ``metrics.jsonl`` to TensorBoard event files in ``<out>/tensorboard``
         (:mod:`asgd_jax.writers`; the optional extra ``asgd_jax[tensorboard]``).
+      args: what asked for the run, JSON values (``asgd-jax train`` passes its flags; a script its own settings): kept
+        in ``<out>/args.json`` from the moment the run takes its folder, a kill included (``asgd-jax train --out F
+        --resume`` continues with them), and in ``summary.json``'s ``"args"``. Nothing of the run reads them.
 
     Example:
       >>> import asgd_jax
@@ -96,6 +100,7 @@ class TrainConfig:
     ray_address: str | None = None
     max_restarts: int = 0
     tensorboard: bool = False
+    args: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         flag = lambda name: "--" + name.replace("_", "-")
@@ -162,6 +167,8 @@ class TrainConfig:
             "--ray-address",
         )
         self._check_slowdown_and_out(plan)
+        if self.args is not None:
+            object.__setattr__(self, "args", _json_table(self.args))
 
     def _check_slowdown_and_out(self, plan: Plan) -> None:
         """The stragglers (``{worker: factor}``) and the output folder, in the forms the rest of the run reads."""
@@ -225,6 +232,16 @@ class TrainConfig:
     def eval_interval(self) -> int:
         """Updates between evaluations: the plan's (:meth:`asgd_jax.Plan.eval_interval`, the simulator's too)."""
         return self.plan.eval_interval()
+
+
+def _json_table(args: Any) -> dict[str, Any]:
+    """``args`` as it reads back from JSON (tuples become lists), or a ``ConfigError`` for what JSON cannot hold."""
+    why = "give a table of JSON values (str keys; strings, finite numbers, booleans, None, lists, tables)"
+    errors.require(isinstance(args, Mapping) and all(isinstance(k, str) for k in args), "args", args, why)
+    try:
+        return json.loads(json.dumps(dict(args), allow_nan=False))
+    except (TypeError, ValueError):
+        raise errors.ConfigError(f"args={args!r} is invalid: {why}.") from None
 
 
 def _check_plan(plan: Any) -> None:

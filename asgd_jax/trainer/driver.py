@@ -148,6 +148,7 @@ def drive(
         metrics=metrics,
         evaluator=evaluator,
         final_record=lambda: run.record(final=True),
+        args=c.args,
     )
 
 

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import jax
@@ -138,10 +138,10 @@ class TrainResult:
     ended: str = "finished"
     pushes_ignored: int = 0
 
-
-# --------------------------------------------------------------------------------------------------------------------
-# Devices and data.
-# --------------------------------------------------------------------------------------------------------------------
+    @property
+    def updates_per_second(self) -> float:
+        """This session's updates per second of its run phase (``summary.json``'s ``updates_per_second``)."""
+        return (self.pushes_applied - self.resumed_from) / max(self.seconds, 1e-9)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -318,10 +318,11 @@ def finish(
     metrics: MetricsLog,
     evaluator: Evaluator | None,
     final_record: Callable[[], dict[str, Any]],
+    args: Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Ends a session the same way on every backend: the final evaluation, ``model.npz``, the final metrics record
-    and ``summary.json`` (when the weights are finite), then the result or the exception that says why the run
-    stopped (Ctrl-C, the store's error)."""
+    and ``summary.json`` (when the weights are finite; with ``args``, what asked for the run), then the result or the
+    exception that says why the run stopped (Ctrl-C, the store's error)."""
     s = outcome.status
     evals = [] if evaluator is None else evaluator.final(s.applied, outcome.params, outcome.model_state)
     paths: dict[str, str] = {}
@@ -356,7 +357,7 @@ def finish(
     if outcome.timed_out:
         log.warning("stopped by the timeout at update %d (resume continues)", s.applied)
     if out_dir is not None:
-        _write_summary(out_dir, result, outcome)
+        _write_summary(out_dir, result, outcome, args)
     if outcome.interrupted:
         raise KeyboardInterrupt(f"training interrupted at update {s.applied}; resume=True continues")
     if s.error is not None:
@@ -383,9 +384,8 @@ def _store_times(status: StoreStatus, seconds: float) -> dict[str, float]:
     return {**times, "busy": (times["exchange"] + times["bookkeeping"]) / max(seconds, 1e-9)}
 
 
-def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
+def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, args: Mapping[str, Any] | None) -> None:
     """``summary.json``: the run's outcome in one file (counts, the last evaluation, how it ended)."""
-    session_updates = result.pushes_applied - result.resumed_from
     summary = {
         "ended": _ended(outcome),
         "error": outcome.status.error,
@@ -399,7 +399,7 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
         "failures": result.failures,
         "resumed_from": result.resumed_from,
         "seconds": result.seconds,
-        "updates_per_second": session_updates / max(result.seconds, 1e-9),
+        "updates_per_second": result.updates_per_second,
         "worker_overhead": [w.overhead for w in result.workers],
         # Where each worker's time went, in seconds (the same on every backend: see WorkerStats).
         "workers": [
@@ -411,6 +411,8 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome) -> None:
         # run.
         "store": _store_times(outcome.status, result.seconds),
     }
+    if args is not None:  # (TrainConfig.args: what asked for the run)
+        summary["args"] = dict(args)
     try:  # atomically: a crash or a full disk leaves no half-written summary
         checkpoint.write_json(os.path.join(out_dir, SUMMARY), summary)
     except OSError as e:

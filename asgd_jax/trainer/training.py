@@ -40,9 +40,10 @@ from asgd_jax.trainer.persistence import check_resume
 from asgd_jax.trainer.session import TrainResult
 from asgd_jax.trainer.worker import device_groups
 
-__all__ = ["PLAN", "replay_plan", "train"]
+__all__ = ["ARGS", "PLAN", "replay_plan", "train"]
 
 PLAN = "plan.json"
+ARGS = "args.json"  # TrainConfig.args: what asked for the run (asgd-jax train's flags), from the run's start
 
 log = logging.getLogger("asgd_jax.trainer")
 
@@ -146,6 +147,8 @@ def _start(loss, rule, params, data, config: TrainConfig, model_state, eval_fn, 
         # A stale checkpoint or trace is refused here, before anything starts; one from before 2026-12-05 holds the
         # rule's probe as it was computed then.
         check_resume(config.out, header, {"rule": lambda: rules.fingerprint(rule, params, eager=True)})
+    if config.out is not None and config.args is not None:  # the folder is this run's now: what asked for it, kept
+        checkpoint.write_json(os.path.join(config.out, ARGS), config.args)
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, run.devices)
     if config.out is not None:
         _record_plan(config.out, plan)
@@ -183,6 +186,7 @@ def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devi
         slowdown={},
         out=None if config.out is None else os.path.join(config.out, "warmup"),
         resume="auto" if config.resume else False,
+        args=None,
     )
     warm = train(loss, rule, params, data, warm_config, model_state=model_state, devices=devices)
     return warm.params, (warm.model_state if model_state is not None else None)
