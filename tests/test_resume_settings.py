@@ -173,3 +173,14 @@ def test_a_broken_record_of_flags_is_one_line_naming_it(finished, tmp_path, text
     assert main(["train", "--out", str(folder), "--resume", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(folder / "args.json") in err, err
+
+
+@pytest.mark.parametrize("bad", [{"partition": "bogus"}, {"model": "nope"}, {"workers": "four"}])
+def test_a_recorded_flag_value_that_is_refused_is_one_line_naming_the_record(finished, tmp_path, bad, capsys):
+    folder = tmp_path / "copy"
+    shutil.copytree(finished, folder)
+    record = json.loads((folder / "args.json").read_text())
+    (folder / "args.json").write_text(json.dumps({**record, **bad}))  # (edited by hand, or another asgd_jax's)
+    assert main(["train", "--out", str(folder), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(folder / "args.json") in err and next(iter(bad)) in err, err

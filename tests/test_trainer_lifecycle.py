@@ -23,6 +23,8 @@ from asgd_jax.plan import Plan
 from asgd_jax.trainer import TrainConfig, train
 from asgd_jax.trainer.endpoint import Endpoint
 from asgd_jax.trainer.loader import ShardLoader
+from asgd_jax.trainer.messages import Snapshot
+from asgd_jax.trainer.session import Evaluator
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -228,6 +230,20 @@ def test_warm_start_trains_one_worker_first_then_everyone_starts_from_its_weight
         checkpoint.load_model(tmp_path, np.zeros(5, np.float32))
     with pytest.raises(ValueError, match="No saved model"):
         checkpoint.load_model(tmp_path / "nothing", W0)
+
+
+def test_an_evaluation_is_timed_when_its_weights_were_taken_the_final_one_when_the_run_ended():
+    """The evaluator's clock is the run phase's (``start_clock``); a snapshot's time is when the store took it, the
+    final weights' when the run phase ended (``Outcome.ended``), not when the evaluator got to them."""
+    written = []
+    evaluator = Evaluator(lambda w, _: {"norm": jnp.linalg.norm(w)}, jax.devices()[0], written.append)
+    evaluator.start_clock(1000.0)
+    evaluator.submit(Snapshot(10, W0, None, taken=1002.5))
+    assert [(e["update"], e["time"]) for e in evaluator.final(10, W0, None, taken=1009.0)] == [(10, 2.5)]  # had
+    history = evaluator.final(20, 2 * W0, None, taken=1004.25)
+    assert [(e["update"], e["time"]) for e in history] == [(10, 2.5), (20, 4.25)]
+    assert [r["kind"] for r in written] == ["eval", "eval"]
+    np.testing.assert_allclose(history[-1]["norm"], 2 * np.linalg.norm(W0), rtol=1e-6)
 
 
 def test_evaluation_runs_beside_the_workers_and_metrics_stream_to_jsonl(tmp_path):

@@ -19,6 +19,8 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import sys
 from collections.abc import Sequence
@@ -93,15 +95,35 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     found = of_run(args.out) if of_run is not None and args.resume and args.out else None
     if found is not None:  # the run's flags, then the file's, then the command line's
         flags, args_path = found
-        unknown = sorted(set(flags) - {a.dest for a in args.actions})
-        if unknown:
-            print(
-                f"asgd-jax: --resume: {args_path} names flags this asgd_jax lacks, ignored: {unknown}", file=sys.stderr
-            )
-        args.parser.set_defaults(**{**{k: v for k, v in flags.items() if k not in unknown}, **configured})
-        args = parser.parse_args(argv)
-        args.flags_from = args_path
+        args = _parse_with_record(parser, argv, args, flags, args_path, configured)
     args.top_parser = parser
+    return args
+
+
+def _parse_with_record(parser, argv, args, flags: dict, path: str, configured: dict) -> argparse.Namespace:
+    """The command line parsed again over a run's recorded flags (``path``) and a config file's values; a recorded
+    value the flag refuses is one error naming the file (argparse checks a default's type, not its choices)."""
+    actions = {a.dest: a for a in args.actions}
+    unknown = sorted(set(flags) - set(actions))
+    if unknown:
+        print(f"asgd-jax: --resume: {path} names flags this asgd_jax lacks, ignored: {unknown}", file=sys.stderr)
+    flags = {k: v for k, v in flags.items() if k not in unknown}
+    for name, value in flags.items():
+        choices = actions[name].choices
+        if choices is not None and value is not None and not isinstance(value, list) and value not in choices:
+            flag = actions[name].option_strings[0]
+            raise errors.ConfigError(
+                f"--resume: {path} records {flag} {value!r}, not one of {', '.join(map(str, choices))}."
+            )
+    args.parser.set_defaults(**{**flags, **configured})
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = parser.parse_args(argv)
+    except SystemExit:
+        why = said.getvalue().strip().splitlines()[-1:] or ["refused"]
+        raise errors.ConfigError(f"--resume: {path} records a flag value that is refused: {why[0]}") from None
+    args.flags_from = path
     return args
 
 

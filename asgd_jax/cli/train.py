@@ -128,8 +128,9 @@ def add_train(sub) -> None:
         description=(
             "Worker threads (worker w on device group w mod #groups) push to a host-side parameter store that "
             "applies the rule with the simulator's server step. Writes trace.jsonl (replayable with "
-            "asgd_jax.delays.Trace.load), metrics.jsonl, checkpoint.npz, model.npz and summary.json into --out. "
-            "Ctrl-C writes a final checkpoint; --resume continues. --config FILE (TOML or JSON, keys are the flag "
+            "asgd_jax.delays.Trace.load), metrics.jsonl, checkpoint.npz, model.npz, args.json (the flags) and "
+            "summary.json into --out. Ctrl-C writes a final checkpoint; --resume continues, with the run's flags. "
+            "--config FILE (TOML or JSON, keys are the flag "
             "names) replaces flags; flags given on the command line win. --config NAME runs a setup that ships "
             f"with asgd_jax ({', '.join(shipped_configs())}): the paper's run."
         ),
@@ -281,8 +282,9 @@ def train_config(args: argparse.Namespace):
     return TrainConfig(plan, **values, slowdown=_parse_slowdown(args.slowdown))
 
 
-SESSION_FLAGS = ("config", "resume", "out", "timeout", "progress")
-"""The flags of one session of a run, not of the run: ``--resume`` takes every other flag from the run's record."""
+SESSION_FLAGS = ("config", "resume", "out", "timeout", "progress", "ray_address", "data_dir")
+"""The flags of one session of a run (or of the machine it runs on), not of the run: ``--resume`` takes every other
+flag from the run's record."""
 
 
 def run_flags(args: argparse.Namespace) -> dict[str, Any]:

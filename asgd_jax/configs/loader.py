@@ -23,8 +23,12 @@ def resume_flag(value: str) -> bool | str:
 
 def table(value: str) -> dict[str, Any]:
     """``--model-options``: a JSON object."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not a JSON number")
+
     try:
-        table = json.loads(value)
+        table = json.loads(value, parse_constant=refuse)  # (Python's json reads NaN and Infinity; JSON has neither)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): give e.g. '{{\"width\": 0.25}}'") from None
     if not isinstance(table, dict):

@@ -68,8 +68,9 @@ class TrainConfig:
       tensorboard: also write every record of ``metrics.jsonl`` to TensorBoard event files in ``<out>/tensorboard``
         (:mod:`asgd_jax.writers`; the optional extra ``asgd_jax[tensorboard]``).
       args: what asked for the run, JSON values (``asgd-jax train`` passes its flags; a script its own settings): kept
-        in ``<out>/args.json`` from the moment the run takes its folder, a kill included (``asgd-jax train --out F
-        --resume`` continues with them), and in ``summary.json``'s ``"args"``. Nothing of the run reads them.
+        in ``<out>/args.json`` from the moment the run's session takes its folder, a kill included, and in
+        ``summary.json``'s ``"args"``. Nothing of the run reads them; ``asgd-jax train --out F --resume`` takes
+        them as its flags' defaults (a key named as a flag is that flag's value).
 
     Example:
       >>> import asgd_jax
@@ -237,11 +238,15 @@ class TrainConfig:
 def _json_table(args: Any) -> dict[str, Any]:
     """``args`` as it reads back from JSON (tuples become lists), or a ``ConfigError`` for what JSON cannot hold."""
     why = "give a table of JSON values (str keys; strings, finite numbers, booleans, None, lists, tables)"
-    errors.require(isinstance(args, Mapping) and all(isinstance(k, str) for k in args), "args", args, why)
-    try:
-        return json.loads(json.dumps(dict(args), allow_nan=False))
-    except (TypeError, ValueError):
-        raise errors.ConfigError(f"args={args!r} is invalid: {why}.") from None
+    errors.require(isinstance(args, Mapping), "args", type(args).__name__, why)
+    table = {}
+    for key, value in args.items():
+        errors.require(isinstance(key, str), "args", f"{{{key!r}: ...}}", why)
+        try:
+            table[key] = json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise errors.ConfigError(f"args[{key!r}]={value!r} is invalid ({e}): {why}.") from None
+    return table
 
 
 def _check_plan(plan: Any) -> None:

@@ -124,6 +124,9 @@ def drive(
         interrupted = True
         log.warning("interrupted: stopping the workers and writing a final checkpoint")
     finally:
+        # The run phase's end: the final weights' time (the wind-down then waits for the workers' goodbyes; a push
+        # in flight at a timeout or Ctrl-C may still be applied in it).
+        ended = time.time()
         try:
             progress, params, model_state = backend.close()
             run.take(progress)
@@ -141,6 +144,7 @@ def drive(
         workers=[run.stats.get(w) or WorkerStats() for w in range(workers)],
         interrupted=interrupted,
         timed_out=timed_out,
+        ended=ended,
     )
     return session.finish(
         outcome,

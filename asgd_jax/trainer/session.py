@@ -283,11 +283,12 @@ class Evaluator:
             self._queue.put(None)
             self._thread.join()
 
-    def final(self, version: int, params, model_state) -> list[dict[str, float]]:
-        """Evaluates the final weights unless the last evaluation was of them; returns every evaluation."""
+    def final(self, version: int, params, model_state, taken: float | None = None) -> list[dict[str, float]]:
+        """Evaluates the final weights (had since ``taken``, a ``time.time()``; default now) unless the last
+        evaluation was of them; returns every evaluation."""
         self.close()
         if not self.history or self.history[-1]["update"] != version:
-            self.submit(Snapshot(version, params, model_state, taken=time.time()))
+            self.submit(Snapshot(version, params, model_state, taken=time.time() if taken is None else taken))
             self.close()
         return self.history
 
@@ -309,6 +310,7 @@ class Outcome:
     workers: list[WorkerStats]
     interrupted: bool = False
     timed_out: bool = False
+    ended: float | None = None  # time.time() when the run phase ended (before the wind-down): the final weights' time
 
 
 def finish(
@@ -324,7 +326,7 @@ def finish(
     and ``summary.json`` (when the weights are finite; with ``args``, what asked for the run), then the result or the
     exception that says why the run stopped (Ctrl-C, the store's error)."""
     s = outcome.status
-    evals = [] if evaluator is None else evaluator.final(s.applied, outcome.params, outcome.model_state)
+    evals = [] if evaluator is None else evaluator.final(s.applied, outcome.params, outcome.model_state, outcome.ended)
     paths: dict[str, str] = {}
     if out_dir is not None:
         paths = {
