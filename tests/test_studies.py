@@ -5,16 +5,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
+import subprocess
+import sys
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgd_jax import delays, studies
+import asgd_jax
+from asgd_jax import delays, provenance, studies
 from asgd_jax.cli import main
 from asgd_jax.errors import ConfigError
 from asgd_jax.plan import Plan
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = studies.Settings(dataset="digits", seeds=(0, 1), epochs=1.0, evals=2, window=10, warm_epochs=0.5)
 
@@ -70,7 +77,20 @@ def test_a_seeded_study_gives_identical_numbers_twice_and_a_report(tmp_path):
     assert main(["report", str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "| lambda | DC-ASGD-a | DC-ASGD-c |" in text and "![dcasgd_lambda_sweep final](lam/final.png)" in text
-    assert "at commit" in text
+    env = saved["environment"]  # what produced the results, and the report says so for each study
+    assert env["asgd_jax"] == asgd_jax.__version__ and env["jax"] == jax.__version__
+    assert env["commit"] == provenance.commit() and f"Produced by {provenance.describe(env)}." in text
+    assert text.count(provenance.describe(env)) == 2  # and the report's header: made by the same
+
+
+def test_the_commit_is_the_checkout_asgd_jax_is_imported_from_not_the_working_folders(tmp_path):
+    """Once the report printed ``git rev-parse HEAD`` of the folder it ran in (another project's commit, or none)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert head.returncode == 0  # (the suite runs in a checkout)
+    script = "from asgd_jax import provenance; print(provenance.commit())"
+    elsewhere = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert elsewhere.stdout.strip().split("+")[0] == head.stdout.strip() == provenance.commit().split("+")[0]
 
 
 def test_warm_arms_start_from_the_warm_up_and_fixed_delay_arms_run():

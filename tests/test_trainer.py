@@ -372,6 +372,7 @@ def test_cli_train_config_file_resume_and_warm_start(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["pushes_applied"] == 30 and 0.0 <= summary["test_error"] <= 1.0
     assert summary["args"]["workers"] == 3 and summary["args"]["batch_size"] == 8  # from the file
+    assert summary["environment"] == asgd_jax.provenance.environment()  # what produced the run
     assert [e["update"] for e in summary["evals"]] == [10, 20, 30]
     assert len((out / "trace.jsonl").read_text().splitlines()) == 30
     # --resume extends the same run to 40 updates; the trace continues where the checkpoint was.

@@ -91,3 +91,17 @@ def test_the_wheel_carries_the_papers_training_setups(installed):
     loaded = subprocess.run([str(env / "bin" / "python"), "-c", check], capture_output=True, text=True, cwd=tmp)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "['dcasgd_cifar10', 'gpu_asgd_cifar10'] resnet20 62500 step"
+
+
+def test_the_wheel_claims_no_commit_even_when_run_inside_a_git_checkout(installed):
+    """Provenance is the package's, not the folder's: the wheel's asgd_jax run inside this checkout (a git repository)
+    records no commit, where the report once printed the folder's."""
+    env, _, _ = installed
+    check = "from asgd_jax import provenance; print(provenance.commit(), provenance.environment()['asgd_jax'])"
+    check += "; import asgd_jax; print(asgd_jax.__file__)"
+    # -P: the folder is not put on the module path (there, the checkout's asgd_jax would be imported instead)
+    python = [str(env / "bin" / "python"), "-P", "-c", check]
+    loaded = subprocess.run(python, capture_output=True, text=True, cwd=ROOT)
+    assert loaded.returncode == 0, loaded.stderr
+    commit, version, where = loaded.stdout.split()
+    assert (commit, version) == ("None", "0.1.0") and where.startswith(str(env)), loaded.stdout

@@ -130,22 +130,10 @@ def _run_study(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     import datetime
-    import platform
-    import subprocess
 
-    import jax
+    from asgd_jax import provenance, studies
 
-    from asgd_jax import studies
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    header = (
-        f"Generated {datetime.date.today()} at commit {commit} on {platform.machine()} "
-        f"({jax.devices()[0].platform}, jax {jax.__version__})."
-    )
+    # (the commit of the checkout asgd_jax is imported from, not of the folder this runs in)
+    header = f"Generated {datetime.date.today()} by {provenance.describe(provenance.environment())}."
     print(f"Wrote {studies.report(args.dir, args.out, header=header, overwrite=args.overwrite)}")
     return 0

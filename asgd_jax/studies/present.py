@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from asgd_jax import checkpoint as checkpoint_lib
-from asgd_jax import errors
+from asgd_jax import errors, provenance
 from asgd_jax import metrics as metrics_lib
 from asgd_jax.studies.language import METRICS, Study
 from asgd_jax.studies.picks import best_tuned, cell_of, grid_edges, time_budgets, within_budgets
@@ -453,6 +453,7 @@ def _write_results(result: StudyResult, folder: str, plots: tuple[str, ...], ten
         "runs": result.runs,
         "curves": result.curves,
         "table": table,
+        "environment": provenance.environment(),  # what produced it (asgd_jax's version and commit, JAX, devices)
     }
     paths = {
         "json": os.path.join(folder, RESULTS),
@@ -524,7 +525,7 @@ def report(
             "",
             f"{s['dataset']} / {s['model']}, {len(s['seeds'])} seed(s), {s['epochs']:g} effective epochs, "
             f"batch {s['batch_size']} per worker, lr {s['learning_rate']} ({s['schedule']}); "
-            f"{payload['seconds']:.0f} s.",
+            f"{payload['seconds']:.0f} s. Produced by {provenance.describe(payload.get('environment'))}.",
             "",
             payload["table"],
             "",

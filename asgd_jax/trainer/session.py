@@ -21,7 +21,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from asgd_jax import cache, checkpoint, errors, exchange, trace
+from asgd_jax import cache, checkpoint, errors, exchange, provenance, trace
 from asgd_jax.trainer.messages import Snapshot, StoreStatus, WorkerStats
 
 __all__ = [
@@ -413,6 +413,7 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, args: Ma
         # run.
         "store": _store_times(outcome.status, result.seconds),
     }
+    summary["environment"] = provenance.environment()  # what produced it
     if args is not None:  # (TrainConfig.args: what asked for the run)
         summary["args"] = dict(args)
     try:  # atomically: a crash or a full disk leaves no half-written summary
