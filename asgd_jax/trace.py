@@ -52,7 +52,7 @@ class Record(NamedTuple):
     pulled_version: int
     applied_version: int
     staleness: int
-    time: float  # seconds since the store started
+    time: float  # seconds on the run's clock: since its store started, a resumed session's after the last kept record's
     rejected: bool = False  # a NaN/Inf push: nothing applied, the worker's minibatches used up
     ignored: bool = False  # too stale (Ringmaster, Rennala): nothing applied, the worker goes on at the current weights
     round: tuple[int, ...] | None = None  # a round method's update: its workers, in the order they were averaged
@@ -96,6 +96,8 @@ class Writer:
             f.writelines(lines)
         os.replace(tmp, self.path)
         self.lines = len(lines)
+        # The last kept record's time: a resumed session's clock goes on from it (a trace's times never go back).
+        self.last_time = parse(lines[-1], f"{self.path}:{len(lines)}").time if lines else 0.0
         self._digest = hashlib.sha256("".join(lines).encode())
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
         self._flushed = time.monotonic()

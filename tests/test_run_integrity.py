@@ -349,3 +349,20 @@ def test_a_ray_address_where_nothing_listens_fails_at_once_naming_it(monkeypatch
         listening.listen()
         assert ray_cluster.unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
     assert ray_cluster.unreachable("auto") is None
+
+
+def test_a_resumed_sessions_trace_times_go_on_from_the_last_kept_record(tmp_path):
+    """A trace's times are the run's clock: a resumed session's records continue from the last record it keeps (its
+    store's clock restarts at zero), so that a replay's virtual time never goes back either."""
+    from asgd_jax.trainer.ledger import Ledger
+
+    kept = [trace.Record(w, 2, v, v + 1, 0, 100.0 + v) for v, w in enumerate([0, 1, 0])]
+    (tmp_path / trace.FILE).write_text("".join(r.line() for r in kept) + '{"worker": 1, "wor')  # a cut last line
+    ledger = Ledger(2, tmp_path, lambda what, e: None)
+    ledger.open_trace(3, None)
+    ledger.applied = 3
+    ledger.applied_push(1, 3, 0, None)
+    ledger.trace.close()
+    times = [r["time"] for r in map(json.loads, (tmp_path / trace.FILE).read_text().splitlines())]
+    assert times[:3] == [100.0, 101.0, 102.0] and 102.0 <= times[3] < 102.0 + 60, times
+    assert trace.Writer(tmp_path / trace.FILE, 4).last_time == times[3]

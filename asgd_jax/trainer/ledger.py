@@ -54,6 +54,7 @@ class Ledger:
         if self._out_dir is not None:
             os.makedirs(self._out_dir, exist_ok=True)
             self.trace = trace.Writer(os.path.join(self._out_dir, trace.FILE), keep, sha256)
+            self._t0 -= self.trace.last_time  # a resume's records go on from the run's clock, never back
 
     def applied_push(self, worker: int, pulled_version: int, staleness: int, round_info: tuple | None) -> None:
         """An applied push (or a round's mean, ``round_info``: its workers and skips)."""
