@@ -148,7 +148,7 @@ def _start(loss, rule, params, data, config: TrainConfig, model_state, eval_fn, 
         # rule's probe as it was computed then.
         check_resume(config.out, header, {"rule": lambda: rules.fingerprint(rule, params, eager=True)})
     if config.out is not None and config.args is not None:  # the folder is this run's now: what asked for it, kept
-        checkpoint.write_json(os.path.join(config.out, ARGS), config.args)
+        _write_at_start(os.path.join(config.out, ARGS), config.args)
     params, model_state = _warm_start(loss, rule, params, data, config, model_state, run.devices)
     if config.out is not None:
         _record_plan(config.out, plan)
@@ -195,7 +195,19 @@ def _warm_start(loss, rule, params, data, config: TrainConfig, model_state, devi
 def _record_plan(out: str, plan: Plan) -> None:
     """Writes the run's plan to ``plan.json`` (atomically): what :func:`replay_plan` reads back."""
     record = {"workers": plan.workers, **{k: v for k, v in plan.describe().items() if k not in ("delays", "workers")}}
-    checkpoint.write_json(os.path.join(out, PLAN), record)
+    _write_at_start(os.path.join(out, PLAN), record)
+
+
+def _write_at_start(path: str, record: Any) -> None:
+    """A record of the run written before its workers start; a failed write (a full disk) stops it there, in one
+    :class:`~asgd_jax.errors.RunStopped` (the atomic write leaves an earlier record whole)."""
+    try:
+        checkpoint.write_json(path, record)
+    except OSError as e:
+        raise errors.RunStopped(
+            f"{errors.write_failure(e)}: {path} could not be written, and the run did not start; free some space and "
+            "start it again (a resume's checkpoint is as it was)"
+        ) from e
 
 
 def replay_plan(out: str | os.PathLike, num_updates: int | None = None) -> Plan:
