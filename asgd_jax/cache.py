@@ -10,6 +10,10 @@ Where: ``$ASGD_JAX_CACHE_DIR`` if set (``off`` disables the cache), else a ``JAX
 JAX yourself, else ``$XDG_CACHE_HOME/asgd_jax/xla`` (``~/.cache/asgd_jax/xla``). Delete the folder to clear it; JAX
 keys each entry on the program, the JAX version and the device, so a stale entry is never used.
 
+JAX writes an entry in place and never replaces one, so a write cut short (a kill, a full disk) would be read, and
+fail, on every later run: :func:`enable` makes the writes atomic and lets a program that failed to load write its entry
+anew (:func:`atomic_entries`).
+
 Within a process, a :class:`Kept` holds the programs a wing builds, keyed on what shapes them (the trainer's store
 and worker programs: a second run at other numbers compiles nothing; the simulator keeps its own).
 
@@ -38,7 +42,19 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-__all__ = ["ENV", "Kept", "clear", "compile_with", "data_folder", "enable", "folder", "hashable", "platform_of"]
+__all__ = [
+    "ENV",
+    "TMP_SUFFIX",
+    "Kept",
+    "atomic_entries",
+    "clear",
+    "compile_with",
+    "data_folder",
+    "enable",
+    "folder",
+    "hashable",
+    "platform_of",
+]
 
 ENV = "ASGD_JAX_CACHE_DIR"
 OFF = ("off", "0", "false", "no", "")
@@ -91,7 +107,69 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
         compilation_cache.reset_cache()  # a cache JAX already set up (or decided against) starts again here
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    atomic_entries(where)
     return where
+
+
+TMP_SUFFIX = ".asgd_jax.tmp"  # an entry being written (a leftover one: the writer was killed)
+
+
+def atomic_entries(where: str | None = None) -> bool:
+    """Makes JAX's persistent cache write each entry whole or not at all, and replace an entry it writes again.
+
+    JAX (0.10) writes an entry in place and never replaces one: a process killed, or a disk filled, in the middle of a
+    write leaves a truncated entry that every later run fails to read (a warning, and the program compiled again, for
+    good). Here an entry is written to a temporary file beside it and renamed into place; a write that fails leaves
+    nothing, and a program whose entry could not be read is written anew once compiled, which mends the cache.
+    Leftover temporary files in ``where`` older than an hour are removed. A JAX without the cache class this patches
+    (or a size-capped cache, whose access times JAX keeps itself) is left as it is: returns whether writes are atomic.
+    """
+    try:  # JAX's private cache class, guarded: no public way to make its writes atomic
+        from jax._src import lru_cache  # noqa: PLC2701
+
+        cls, suffix = lru_cache.LRUCache, lru_cache._CACHE_SUFFIX  # noqa: SLF001
+    except (ImportError, AttributeError):
+        return False
+    if where is not None:
+        _sweep_leftovers(where)
+    if getattr(cls.put, "atomic", False):
+        return True
+    jax_put = cls.put
+
+    def put(self, key: str, value: bytes) -> None:
+        local = os.path.isdir(str(self.path)) and "://" not in str(self.path)
+        if getattr(self, "eviction_enabled", True) or not key or not local:
+            return jax_put(self, key, value)
+        path = os.path.join(str(self.path), f"{key}{suffix}")
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(value)
+            os.replace(tmp, path)  # whole, or not there (and a racing writer's equal entry is simply replaced)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    put.atomic = True  # type: ignore[attr-defined]
+    cls.put = put
+    return True
+
+
+def _sweep_leftovers(where: str, age: float = 3600.0) -> None:
+    """Removes temporary entries in ``where`` that a killed writer left (older than ``age`` seconds)."""
+    import time
+
+    try:
+        names = [n for n in os.listdir(where) if n.endswith(TMP_SUFFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            if time.time() - os.path.getmtime(path) > age:
+                os.remove(path)
+        except OSError:
+            pass
 
 
 def platform_of(tree: Any) -> str:

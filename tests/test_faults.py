@@ -202,6 +202,30 @@ def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_check
         assert json.loads(bytes(saved["__header__"]).decode())["applied"] >= 10
 
 
+def test_a_disk_full_before_the_run_starts_stops_it_in_one_message_before_any_worker(tmp_path):
+    """The records written as a run takes its folder (args.json, plan.json) fail on a full disk: a RunStopped saying
+    so, not a traceback from deep inside, and nothing ran."""
+    run = _python(
+        f"""
+        import sys; sys.path.insert(0, "tests")
+        import asgd_jax
+        from helpers.problems import DATA, W0, lsq_loss
+        from asgd_jax.errors import RunStopped
+        from asgd_jax.trainer import TrainConfig, train
+        config = TrainConfig(asgd_jax.Plan(2, num_updates=50, batch_size=8), out={str(tmp_path)!r},
+                             args={{"note": "x" * 4000}}, progress=False)
+        try:
+            train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config)
+        except RunStopped as e:
+            print("STOPPED", e)
+    """,
+        fsize=2_500,
+    )
+    assert "STOPPED a write failed (File too large)" in run.stdout, run.stdout + run.stderr
+    assert "args.json could not be written, and the run did not start" in run.stdout
+    assert not (tmp_path / "checkpoint.npz").exists() and not (tmp_path / "trace.jsonl").exists()
+
+
 def test_a_stopped_runs_message_says_what_its_folder_holds_once_a_write_under_way_ends(tmp_path, monkeypatch):
     # A run that stops while its checkpoint writer is mid-write (the trace's disk fills at update 23, the checkpoint
     # of update 20 still being written) must not say "no checkpoint" and then leave one: the message waits for the
@@ -508,3 +532,60 @@ def test_a_checkpoint_whose_dtype_names_are_damaged_is_named_damaged(tmp_path, n
     np.savez(tmp_path / "model.npz", **contents)
     with pytest.raises(ConfigError, match=r"model\.npz is not a readable checkpoint"):
         checkpoint.load_model(tmp_path / "model.npz", np.zeros(3, np.float32))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The compiled programs' cache: a truncated entry, a write that fills the disk
+# --------------------------------------------------------------------------------------------------------------------
+
+_CACHED_PROGRAM = """
+    import collections, jax, jax.numpy as jnp, asgd_jax
+    events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+    asgd_jax.cache.enable()
+    print(jax.jit(lambda x: jnp.sin(x) * 2 + 1)(jnp.arange(3.0)).tolist())
+    print("hits", events["/jax/compilation_cache/cache_hits"])
+"""
+
+
+def _cached(where, fsize: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ASGD_JAX_CACHE_DIR=str(where), JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    prologue = ""
+    if fsize is not None:  # every file this process writes is capped: a write past it fails, as on a full disk
+        prologue = (
+            f"import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({fsize}, {fsize}))\n"
+        )
+    script = prologue + textwrap.dedent(_CACHED_PROGRAM)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_truncated_cache_entry_is_compiled_again_once_and_written_whole(tmp_path):
+    """A process killed mid-write left half an entry: JAX fails to read it (a warning) and compiles the program
+    again; that run writes it anew (JAX alone never replaces an entry), and the next one loads it."""
+    first = _cached(tmp_path)
+    assert first.returncode == 0 and "hits 0" in first.stdout, first.stderr
+    entries = [p for p in tmp_path.iterdir() if p.name.endswith("-cache")]
+    assert entries
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # cut short
+    mended = _cached(tmp_path)
+    assert mended.returncode == 0 and "Error reading persistent compilation cache entry" in mended.stderr
+    assert mended.stdout.splitlines()[0] == first.stdout.splitlines()[0]
+    loaded = _cached(tmp_path)
+    hits = f"hits {len(entries)}"
+    assert loaded.returncode == 0 and "Error reading" not in loaded.stderr and hits in loaded.stdout, loaded
+    assert loaded.stdout.splitlines()[0] == first.stdout.splitlines()[0]
+
+
+def test_a_cache_write_that_fills_the_disk_leaves_no_entry_and_no_temporary_file(tmp_path):
+    full = _cached(tmp_path, fsize=2_000)  # each entry is larger than that: its write fails part-way
+    assert full.returncode == 0 and "Error writing persistent compilation cache entry" in full.stderr, full.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(("-cache", asgd_jax.cache.TMP_SUFFIX))]
+    written, loaded = _cached(tmp_path), _cached(tmp_path)  # no half entry read: compiled, written, then loaded
+    assert written.stdout.splitlines()[0] == loaded.stdout.splitlines()[0] == full.stdout.splitlines()[0]
+    assert "hits 0" in written.stdout and "hits 0" not in loaded.stdout
+    assert "Error reading" not in written.stderr + loaded.stderr, written.stderr + loaded.stderr
