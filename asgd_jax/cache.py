@@ -11,8 +11,8 @@ JAX yourself, else ``$XDG_CACHE_HOME/asgd_jax/xla`` (``~/.cache/asgd_jax/xla``).
 keys each entry on the program, the JAX version and the device, so a stale entry is never used.
 
 JAX writes an entry in place and never replaces one, so a write cut short (a kill, a full disk) would be read, and
-fail, on every later run: :func:`enable` makes the writes atomic and lets a program that failed to load write its entry
-anew (:func:`atomic_entries`).
+fail, on every later run: in a process that imports asgd_jax's engines (or calls :func:`enable`) the writes are atomic,
+and a program that failed to load writes its entry anew (:func:`atomic_entries`).
 
 Within a process, a :class:`Kept` holds the programs a wing builds, keyed on what shapes them (the trainer's store
 and worker programs: a second run at other numbers compiles nothing; the simulator keeps its own).
@@ -35,8 +35,10 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Mapping
@@ -141,14 +143,15 @@ def atomic_entries(where: str | None = None) -> bool:
         if getattr(self, "eviction_enabled", True) or not key or not local:
             return jax_put(self, key, value)
         path = os.path.join(str(self.path), f"{key}{suffix}")
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"  # this write's own (a shared cache may have other writers)
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 f.write(value)
             os.replace(tmp, path)  # whole, or not there (and a racing writer's equal entry is simply replaced)
-        finally:
-            if os.path.exists(tmp):
+        except BaseException:
+            with contextlib.suppress(OSError):
                 os.remove(tmp)
+            raise
 
     put.atomic = True  # type: ignore[attr-defined]
     cls.put = put

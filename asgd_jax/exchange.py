@@ -30,6 +30,10 @@ import optax
 from asgd_jax import cache, errors, packing
 from asgd_jax.loss import Loss
 
+# Both engines (the simulator, the trainer's store, workers and Ray actors) come through here: JAX's persistent cache
+# writes whole entries in their processes, and mends one cut short (asgd_jax.cache.atomic_entries).
+cache.atomic_entries()
+
 __all__ = [
     "Exchange",
     "batch_shapes",

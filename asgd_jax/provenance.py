@@ -29,15 +29,14 @@ def commit() -> str | None:
     it; ``None`` when asgd_jax is not imported from a checkout (a wheel) or git cannot tell."""
     if not os.path.exists(os.path.join(_CHECKOUT, ".git")):
         return None
-    git = ["git", "-C", _CHECKOUT]
+    # (--no-optional-locks: never the index's lock, which a user's own git command may be taking; no inherited GIT_*
+    # variables, which a hook sets to point git at another repository)
+    git = ["git", "--no-optional-locks", "-C", _CHECKOUT]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    run = lambda *args: subprocess.run([*git, *args], capture_output=True, text=True, timeout=10, env=env)
     try:
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        changed = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no", "--", "asgd_jax"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        head = run("rev-parse", "--short", "HEAD")
+        changed = run("status", "--porcelain", "--", "asgd_jax")  # (a new module not yet added counts too)
     except (OSError, subprocess.SubprocessError):
         return None
     if head.returncode != 0 or not head.stdout.strip():
@@ -46,8 +45,9 @@ def commit() -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """asgd_jax's version and :func:`commit`, JAX's and jaxlib's versions, Python's, the machine and JAX's devices
-    (``"8 cpu"``): JSON values."""
+    """asgd_jax's version and :func:`commit`, JAX's and jaxlib's versions, Python's, the machine and the devices JAX
+    sees in this process (``"8 cpu"``; a Ray run's driver keeps to the CPU, its workers' devices are their actors'):
+    JSON values."""
     import jax
     import jaxlib
 

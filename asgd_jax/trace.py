@@ -97,7 +97,8 @@ class Writer:
         os.replace(tmp, self.path)
         self.lines = len(lines)
         # The last kept record's time: a resumed session's clock goes on from it (a trace's times never go back).
-        self.last_time = parse(lines[-1], f"{self.path}:{len(lines)}").time if lines else 0.0
+        where = f"{self.path}:{len(lines)}"  # (a line without a time reads as its number, as Trace.load gives it)
+        self.last_time = parse(lines[-1], where, time=float(len(lines))).time if lines else 0.0
         self._digest = hashlib.sha256("".join(lines).encode())
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
         self._flushed = time.monotonic()

@@ -202,9 +202,11 @@ def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_check
         assert json.loads(bytes(saved["__header__"]).decode())["applied"] >= 10
 
 
-def test_a_disk_full_before_the_run_starts_stops_it_in_one_message_before_any_worker(tmp_path):
+@pytest.mark.parametrize("fsize", [2_500, 3], ids=["args.json fails", "the lock's pid fails first"])
+def test_a_disk_full_before_the_run_starts_stops_it_in_one_message_before_any_worker(tmp_path, fsize):
     """The records written as a run takes its folder (args.json, plan.json) fail on a full disk: a RunStopped saying
-    so, not a traceback from deep inside, and nothing ran."""
+    so, not a traceback from deep inside, and nothing ran. The folder's lock holds even when its note of the
+    holder's process cannot be written."""
     run = _python(
         f"""
         import sys; sys.path.insert(0, "tests")
@@ -219,7 +221,7 @@ def test_a_disk_full_before_the_run_starts_stops_it_in_one_message_before_any_wo
         except RunStopped as e:
             print("STOPPED", e)
     """,
-        fsize=2_500,
+        fsize=fsize,
     )
     assert "STOPPED a write failed (File too large)" in run.stdout, run.stdout + run.stderr
     assert "args.json could not be written, and the run did not start" in run.stdout

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -230,6 +231,21 @@ def test_warm_start_trains_one_worker_first_then_everyone_starts_from_its_weight
         checkpoint.load_model(tmp_path, np.zeros(5, np.float32))
     with pytest.raises(ValueError, match="No saved model"):
         checkpoint.load_model(tmp_path / "nothing", W0)
+
+
+def test_resume_auto_goes_on_from_a_warm_start_whose_run_was_killed_before_its_first_checkpoint(tmp_path):
+    """Killed after its warm start, before the main run's first checkpoint: ``resume="auto"`` takes the warm start's
+    checkpoint as ``resume=True`` does (it started the warm start again, which then refused its own folder)."""
+    config = TrainConfig(Plan(4, num_updates=30, batch_size=4), warm_start_steps=10, seed=3, progress=False)
+    train(lsq_loss, rule(), W0, DATA, config.replace(out=str(tmp_path / "first")), devices=jax.devices()[:4])
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "first" / "warmup", killed / "warmup")  # what the kill left
+    result = train(
+        lsq_loss, rule(), W0, DATA, config.replace(out=str(killed), resume="auto"), devices=jax.devices()[:4]
+    )
+    assert result.pushes_applied == 20 and len((killed / "warmup" / "trace.jsonl").read_text().splitlines()) == 10
+    warm_params, _ = checkpoint.load_model(killed / "warmup", W0)
+    np.testing.assert_allclose(replay(result.trace_path, 20, params=warm_params), result.params, rtol=1e-5, atol=1e-6)
 
 
 def test_an_evaluation_is_timed_when_its_weights_were_taken_the_final_one_when_the_run_ended():

@@ -8,6 +8,7 @@ import this module and never each other; :func:`asgd_jax.trainer.train` picks on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -70,7 +71,12 @@ class RunLock:
         import fcntl
 
         out = errors.output_folder("out", self.out, "--out")
-        f = open(os.path.join(out, LOCK), "a+")  # held until __exit__
+        try:
+            f = open(os.path.join(out, LOCK), "a+")  # held until __exit__
+        except OSError as e:  # (no inode left, a quota)
+            raise errors.RunStopped(
+                f"{errors.write_failure(e)}: {os.path.join(out, LOCK)} could not be made, and the run did not start"
+            ) from e
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -81,16 +87,18 @@ class RunLock:
                 f"out={out!r} (--out) is in use by another run (process {holder}): wait for it to end, or choose "
                 "another folder."
             ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
+        try:  # who holds it, for another run's message (unbuffered: a full disk leaves it unsaid, the lock held)
+            os.ftruncate(f.fileno(), 0)
+            os.pwrite(f.fileno(), str(os.getpid()).encode(), 0)
+        except OSError:
+            pass
         self._file = f
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._file is not None:
-            self._file.close()  # closing the file drops the lock
+            with contextlib.suppress(OSError):
+                self._file.close()  # closing the file drops the lock
             self._file = None
 
 
@@ -413,7 +421,10 @@ def _write_summary(out_dir: str, result: TrainResult, outcome: Outcome, args: Ma
         # run.
         "store": _store_times(outcome.status, result.seconds),
     }
-    summary["environment"] = provenance.environment()  # what produced it
+    try:
+        summary["environment"] = provenance.environment()  # what produced it
+    except Exception as e:  # (never the summary's loss, nor the error it reports)
+        log.warning("could not record the environment in %s: %r", SUMMARY, e)
     if args is not None:  # (TrainConfig.args: what asked for the run)
         summary["args"] = dict(args)
     try:  # atomically: a crash or a full disk leaves no half-written summary

@@ -147,11 +147,11 @@ def _start(loss, rule, params, data, config: TrainConfig, model_state, eval_fn, 
         # A stale checkpoint or trace is refused here, before anything starts; one from before 2026-12-05 holds the
         # rule's probe as it was computed then.
         check_resume(config.out, header, {"rule": lambda: rules.fingerprint(rule, params, eager=True)})
-    if config.out is not None and config.args is not None:  # the folder is this run's now: what asked for it, kept
-        _write_at_start(os.path.join(config.out, ARGS), config.args)
-    params, model_state = _warm_start(loss, rule, params, data, config, model_state, run.devices)
-    if config.out is not None:
+    if config.out is not None:  # the folder is this run's now: what asked for it and its plan, kept before anything
+        if config.args is not None:
+            _write_at_start(os.path.join(config.out, ARGS), config.args)
         _record_plan(config.out, plan)
+    params, model_state = _warm_start(loss, rule, params, data, config, model_state, run.devices)
     main = config.replace(plan=plan.replace(num_updates=plan.num_updates - config.warm_start_steps), warm_start_steps=0)
     kwargs = dict(
         ex=run.ex,
@@ -249,7 +249,8 @@ def _resume_decision(config: TrainConfig) -> bool:
             f"out={config.out!r} (--out) already holds a checkpoint: pass resume=True (--resume) to continue that run, "
             "or choose another output folder."
         )
-    return exists if config.resume == "auto" else bool(config.resume)
+    # (auto: a run killed in its warm start goes on from the warm start's checkpoint, as resume=True does)
+    return (exists or warming) if config.resume == "auto" else bool(config.resume)
 
 
 def _data_fingerprint(data: Any) -> str:
