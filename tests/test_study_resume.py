@@ -67,8 +67,28 @@ def test_a_study_killed_in_its_third_arm_resumes_to_the_same_tables(tmp_path, st
     assert json.dumps(resumed.runs) == json.dumps(whole.runs) and json.dumps(resumed.curves) == json.dumps(whole.curves)
     seeds = len(study.quick.seeds)
     assert studies.format_table(study, resumed.runs, seeds) == studies.format_table(study, whole.runs, seeds)
+    # The study's seconds are every session's: the killed one's, up to the last arm it kept, and the resume's.
+    spent = [json.loads((out / "arms" / name).read_text())["seconds"] for name in done if name != "study.json"]
+    assert resumed.seconds > max(spent) > 0
     studies.save(resumed, out, plots=())
     assert not (out / "arms").exists()  # finished: nothing left to resume
+
+
+def test_a_resumed_studys_seconds_count_its_earlier_sessions(tmp_path, study_file):
+    """(The arm file's own record of the study's time so far, made large: the result adds it to the resume's.)"""
+    study, out = studies.load(str(study_file)), tmp_path / "out"
+
+    def stop_after_the_first(arm, runs, curves):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        studies.run(study, quick=True, progress=False, out=out, on_arm=stop_after_the_first)
+    first = out / "arms" / "0.json"
+    arm = json.loads(first.read_text())
+    assert 0 < arm["seconds"] < 600
+    first.write_text(json.dumps({**arm, "seconds": 5000.0}))  # as after a long first session
+    resumed = studies.run(study, quick=True, progress=False, out=out, resume=True)
+    assert 5000.0 < resumed.seconds < 5000.0 + 600
 
 
 def test_a_resume_with_other_settings_is_refused_in_one_line(tmp_path, study_file, capsys):

@@ -142,7 +142,7 @@ class StudyResult:
     quick: bool
     runs: list[dict[str, Any]]
     curves: dict[str, dict[str, list[float]]]
-    seconds: float
+    seconds: float  # the study's: a resumed one's earlier sessions' too (up to the last arm each kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +366,7 @@ def run(
             finished(arm, *results[i], tell=False)
         if study.tuning.widen:  # the few widened arms run here, after the cluster's
             _widen(study, s, arms, _setup(study, s, arms, progress), progress, finished, runs)
-        return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+        return StudyResult(study, s, quick, runs, curves, _seconds(start, kept))
     setup = _setup(study, s, arms, progress)
     # Every arm still to run is checked before any runs.
     prepared = {i: _prepare_arm(s, arm, setup, progress) for i, arm in enumerate(arms) if i not in found}
@@ -396,7 +396,13 @@ def run(
     finally:
         ahead.shutdown(wait=False, cancel_futures=True)
     _widen(study, s, arms, setup, progress, finished, runs)
-    return StudyResult(study, s, quick, runs, curves, time.perf_counter() - start)
+    return StudyResult(study, s, quick, runs, curves, _seconds(start, kept))
+
+
+def _seconds(start: float, kept: _ArmStore | None) -> float:
+    """A study's seconds: this session's since ``start``, and a resumed study's earlier sessions' (their time up to
+    the last arm they kept: what is in the result)."""
+    return time.perf_counter() - start + (0.0 if kept is None else kept.earlier)
 
 
 def widened_arms(study: Study, s: Settings, arms: list[Arm], runs: list[dict[str, Any]]) -> list[Arm]:
@@ -620,6 +626,7 @@ class _ArmStore:
     def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool, overwrite: bool = False):
         out = errors.output_folder("out", out, "--out")
         self.folder, self.manifest = os.path.join(out, ARMS), manifest
+        self.started, self.earlier = time.perf_counter(), 0.0  # this session's clock; the earlier sessions' seconds
         path = os.path.join(self.folder, "study.json")
         if os.path.exists(path) and overwrite and not resume:
             shutil.rmtree(self.folder)  # the user said so: the unfinished run starts afresh
@@ -667,6 +674,10 @@ class _ArmStore:
                 out[i] = self._read(path, i, arm, seeds)
         return out
 
+    def seconds(self) -> float:
+        """The study's seconds so far: the earlier sessions' (up to their last kept arm) and this one's."""
+        return self.earlier + time.perf_counter() - self.started
+
     def _read(self, path: str, i: int, arm: Arm, seeds: tuple[int, ...]) -> tuple[list[dict], dict[str, Any]]:
         fix = f"delete it to run arm {i} ({arm.description}) again"
         try:
@@ -683,12 +694,16 @@ class _ArmStore:
         problem = arm_file_problem(saved["runs"], saved["curves"], arm, seeds)
         if problem:
             raise errors.ConfigError(f"{path} is not a whole arm file ({problem}): {fix}.")
+        spent = saved.get("seconds", 0.0)  # (an arm file from before it was kept: none)
+        if isinstance(spent, int | float) and math.isfinite(spent) and spent > self.earlier:
+            self.earlier = float(spent)
         return saved["runs"], saved["curves"]
 
     def keep(self, i: int, runs: list[dict[str, Any]], curves: dict[str, Any]) -> None:
         """Writes arm ``i``'s file; a full disk stops the study (:class:`~asgd_jax.errors.RunStopped`), the arms
         finished before kept."""
-        self._write(os.path.join(self.folder, f"{i}.json"), {**self.header(i), "runs": runs, "curves": curves})
+        arm = {**self.header(i), "runs": runs, "curves": curves, "seconds": self.seconds()}  # (the study's, so far)
+        self._write(os.path.join(self.folder, f"{i}.json"), arm)
 
     def _write(self, path: str, value: Any, then: str | None = None) -> None:
         try:
