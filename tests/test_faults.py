@@ -175,24 +175,28 @@ def _python(script: str, fsize: int | None = None) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.parametrize("fsize", [2_500, 6_000], ids=["full before the first checkpoint", "full mid-run"])
-def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_checkpoint(tmp_path, fsize):
-    run = _python(
-        f"""
+def _train_on_a_full_disk(config: str, fsize: int) -> subprocess.CompletedProcess:
+    """``train`` of the least-squares problem with ``TrainConfig(<config>, progress=False)`` in a process whose every
+    file is capped at ``fsize`` bytes; it prints ``STOPPED <message>`` for a RunStopped."""
+    script = f"""
         import sys; sys.path.insert(0, "tests")
-        import jax, asgd_jax
-        from helpers.problems import DATA, W0, lsq_loss, simulate_clean
+        import asgd_jax
+        from asgd_jax import Plan
+        from helpers.problems import DATA, W0, lsq_loss
         from asgd_jax.errors import RunStopped
         from asgd_jax.trainer import TrainConfig, train
-        config = TrainConfig(asgd_jax.Plan(2, num_updates=2000, batch_size=8, checkpoint_every=10),
-                             out={str(tmp_path)!r}, log_every=0.05, timeout={GUARD}, progress=False)
         try:
-            train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config)
+            train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, TrainConfig({config}, progress=False))
         except RunStopped as e:
             print("STOPPED", e)
-    """,
-        fsize=fsize,
-    )
+    """
+    return _python(script, fsize=fsize)
+
+
+@pytest.mark.parametrize("fsize", [2_500, 6_000], ids=["full before the first checkpoint", "full mid-run"])
+def test_a_full_disk_stops_the_run_with_its_error_and_leaves_the_last_good_checkpoint(tmp_path, fsize):
+    config = f"Plan(2, num_updates=2000, batch_size=8, checkpoint_every=10), out={str(tmp_path)!r}, log_every=0.05"
+    run = _train_on_a_full_disk(f"{config}, timeout={GUARD}", fsize)
     assert "STOPPED" in run.stdout, run.stdout + run.stderr
     assert "failed" in run.stdout and ("File too large" in run.stdout or "free space" in run.stdout)
     if "free space and" in run.stdout:  # a checkpoint is promised only where there is one
@@ -207,21 +211,8 @@ def test_a_disk_full_before_the_run_starts_stops_it_in_one_message_before_any_wo
     """The records written as a run takes its folder (args.json, plan.json) fail on a full disk: a RunStopped saying
     so, not a traceback from deep inside, and nothing ran. The folder's lock holds even when its note of the
     holder's process cannot be written."""
-    run = _python(
-        f"""
-        import sys; sys.path.insert(0, "tests")
-        import asgd_jax
-        from helpers.problems import DATA, W0, lsq_loss
-        from asgd_jax.errors import RunStopped
-        from asgd_jax.trainer import TrainConfig, train
-        config = TrainConfig(asgd_jax.Plan(2, num_updates=50, batch_size=8), out={str(tmp_path)!r},
-                             args={{"note": "x" * 4000}}, progress=False)
-        try:
-            train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config)
-        except RunStopped as e:
-            print("STOPPED", e)
-    """,
-        fsize=fsize,
+    run = _train_on_a_full_disk(
+        f'Plan(2, num_updates=50, batch_size=8), out={str(tmp_path)!r}, args={{"n": "x" * 4000}}', fsize
     )
     assert "STOPPED a write failed (File too large)" in run.stdout, run.stdout + run.stderr
     assert "args.json could not be written, and the run did not start" in run.stdout
