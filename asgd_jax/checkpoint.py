@@ -24,7 +24,17 @@ import numpy as np
 
 from asgd_jax import errors
 
-__all__ = ["Writer", "load", "load_model", "read_header", "read_json", "save", "save_model", "write_json"]
+__all__ = [
+    "Writer",
+    "load",
+    "load_model",
+    "read_header",
+    "read_json",
+    "save",
+    "save_model",
+    "write_json",
+    "write_json_lines",
+]
 
 _HEADER = "__header__"
 _DTYPES = "__dtypes__"  # each leaf's dtype, by name (a checkpoint written before they were kept has none)
@@ -65,6 +75,11 @@ def _atomic_write(path: str | os.PathLike, suffix: str, mode: str, write) -> Non
 def write_json(path: str | os.PathLike, value: Any) -> None:
     """Writes ``value`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename)."""
     _atomic_write(path, ".json", "w", lambda f: json.dump(value, f, indent=1, default=str))
+
+
+def write_json_lines(path: str | os.PathLike, records: list[Any]) -> None:
+    """Writes ``records`` as JSON lines (one ``json.dumps`` each) to ``path`` atomically, as :func:`write_json`."""
+    _atomic_write(path, ".jsonl", "w", lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
 
 
 def read_json(path: str | os.PathLike) -> Any:

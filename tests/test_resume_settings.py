@@ -184,3 +184,22 @@ def test_a_recorded_flag_value_that_is_refused_is_one_line_naming_the_record(fin
     assert main(["train", "--out", str(folder), "--resume", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(folder / "args.json") in err and next(iter(bad)) in err, err
+
+
+def test_a_resume_keeps_the_metrics_of_its_checkpoint_and_their_clock_goes_on(finished, tmp_path):
+    """metrics.jsonl after a resume reads as the trace does: the records of work the checkpoint lost (and a line cut
+    short by a kill) are gone, every line is whole, and the resumed session's times go on from the last kept one."""
+    folder = tmp_path / "copy"
+    shutil.copytree(finished, folder)
+    before = _applied(folder)
+    kept = (folder / "metrics.jsonl").read_text()
+    lost = {"kind": "train", "update": before + 5, "time": 999.0, "loss": 0.1, "applied": before + 5}
+    (folder / "metrics.jsonl").write_text(kept + json.dumps(lost) + "\n" + '{"kind": "tr')  # then killed mid-line
+    assert main(["train", "--out", str(folder), "--resume", "--num-updates", str(before + 10), "--no-progress"]) == 0
+    text = (folder / "metrics.jsonl").read_text()
+    assert text.startswith(kept) and "999.0" not in text
+    records = [json.loads(line) for line in text.splitlines()]  # every line whole
+    old, new = records[: len(kept.splitlines())], records[len(kept.splitlines()) :]
+    assert new and min(r["time"] for r in new) >= max(r["time"] for r in old) > 0
+    updates = [r["update"] for r in records if r["kind"] != "eval"]
+    assert updates == sorted(updates) and updates[-1] == before + 10

@@ -119,8 +119,9 @@ class TrainResult:
       losses: per worker, the training losses of its pushes (this session).
       workers: per worker, where its time went (:class:`WorkerStats`).
       evals: the evaluations, ``{"update": t, "time": s, **eval_fn(...)}`` in update order; ``time`` is when the
-        store took the weights after update ``t``, in seconds from this session's start (the clock of the ``train``
-        records of ``metrics.jsonl``), not when the evaluation, which runs beside the training, finished.
+        store took the weights after update ``t``, in seconds on the clock of the ``train`` records of
+        ``metrics.jsonl`` (from the session's start, a resumed one's going on from the records it kept), not when the
+        evaluation, which runs beside the training, finished.
       resumed_from: the update the run resumed at (0 for a fresh run).
       staleness_counts: ``{staleness: applied pushes}`` over the whole run.
       ended: ``"finished"`` (the budget was reached), ``"timeout"`` (``timeout`` cut it short: ``resume`` continues),
@@ -167,13 +168,20 @@ class MetricsLog:
         self._lock = threading.Lock()
         self._last: tuple = (time.perf_counter(), 0, [0] * num_workers, {})
         self.error: BaseException | None = None
+        self.earlier = 0.0  # a resumed run's seconds before this session: the records' clock goes on from there
 
     def open(self, out_dir: str | None, status: StoreStatus) -> None:
-        """Starts the file (appends on a resume) and the counts the first record's rates are taken from (the store's
-        :class:`~asgd_jax.trainer.messages.StoreStatus` at the start)."""
+        """Starts the file and the counts the first record's rates are taken from (the store's
+        :class:`~asgd_jax.trainer.messages.StoreStatus` at the start). A resume keeps the whole records of the updates
+        its checkpoint holds (those of work the checkpoint lost, and a line a kill or a full disk cut short, go, as
+        the trace's), and its records' times go on from the last kept one's."""
         if out_dir is not None:
-            mode = "a" if status.resumed_from else "w"
-            self._file = open(os.path.join(out_dir, METRICS), mode)  # noqa: SIM115 (close())
+            path = os.path.join(out_dir, METRICS)
+            kept = _records_up_to(path, status.applied) if status.resumed_from else []
+            if kept:
+                checkpoint.write_json_lines(path, kept)
+                self.earlier = max(float(r.get("time") or 0.0) for r in kept)
+            self._file = open(path, "a" if kept else "w")  # noqa: SIM115 (close())
         self._last = (time.perf_counter(), status.applied, self._pushes(status), dict(status.staleness_counts))
 
     def _pushes(self, status: StoreStatus) -> list[int]:
@@ -196,7 +204,7 @@ class MetricsLog:
         record = {
             "kind": "final" if final else "train",
             "update": applied,
-            "time": elapsed,
+            "time": self.earlier + elapsed,
             "loss": float(np.mean(new_losses)) if new_losses else None,
             "applied": applied,
             "rejected": rejected,
@@ -235,6 +243,25 @@ class MetricsLog:
                     self._file.close()
                 except OSError as e:  # the last flush of a full disk
                     self.error = self.error or e
+
+
+def _records_up_to(path: str, applied: int) -> list[dict[str, Any]]:
+    """The whole records of ``metrics.jsonl`` at ``path`` of updates up to ``applied`` (a resume's checkpoint); none
+    when there is no file."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line) if line.endswith("\n") else None
+        except ValueError:
+            record = None  # (a line cut short, then written past by an older resume)
+        if isinstance(record, dict) and isinstance(record.get("update"), int) and record["update"] <= applied:
+            kept.append(record)
+    return kept
 
 
 _EVALUATIONS = cache.Kept(8)  # an evaluation's program, per eval_fn: compiled once a process
