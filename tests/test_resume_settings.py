@@ -192,7 +192,8 @@ def test_a_resume_keeps_the_metrics_of_its_checkpoint_and_their_clock_goes_on(fi
     folder = tmp_path / "copy"
     shutil.copytree(finished, folder)
     before = _applied(folder)
-    kept = (folder / "metrics.jsonl").read_text()
+    lines = (folder / "metrics.jsonl").read_text().splitlines(keepends=True)
+    kept = "".join(line for line in lines if json.loads(line)["kind"] != "final")  # killed before its final record
     lost = {"kind": "train", "update": before + 5, "time": 999.0, "loss": 0.1, "applied": before + 5}
     (folder / "metrics.jsonl").write_text(kept + json.dumps(lost) + "\n" + '{"kind": "tr')  # then killed mid-line
     assert main(["train", "--out", str(folder), "--resume", "--num-updates", str(before + 10), "--no-progress"]) == 0
@@ -203,3 +204,28 @@ def test_a_resume_keeps_the_metrics_of_its_checkpoint_and_their_clock_goes_on(fi
     assert new and min(r["time"] for r in new) >= max(r["time"] for r in old) > 0
     updates = [r["update"] for r in records if r["kind"] != "eval"]
     assert updates == sorted(updates) and updates[-1] == before + 10
+    # Every applied push in exactly one record's histogram: those between the last kept record and the checkpoint
+    # (whose record the kill took) in the first new one.
+    assert sum(n for r in records if r["kind"] != "eval" for n in r["staleness_histogram"].values()) == before + 10
+
+
+def test_a_full_disk_as_a_resume_rewrites_its_metrics_stops_it_in_one_message_and_keeps_them(tmp_path, monkeypatch):
+    import errno
+
+    from asgd_jax import checkpoint
+    from asgd_jax.errors import RunStopped
+    from asgd_jax.trainer.messages import StoreStatus
+    from asgd_jax.trainer.session import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"kind": "train", "update": 5, "time": 1.0, "staleness_histogram": {"0": 5}}) + "\n")
+    before = path.read_text()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_json_lines", full)
+    status = StoreStatus(5, 0, 0, 5, False, None, 5, (3, 2), {0: 5})
+    with pytest.raises(RunStopped, match=r"the disk is full .*metrics.jsonl could not be written.*as they were"):
+        MetricsLog(2).open(str(tmp_path), status)
+    assert path.read_text() == before

@@ -346,7 +346,7 @@ def run(
     arms = study.arms(s, quick)
     if not arms:
         raise errors.ConfigError(f"study {study.name!r} has no arms for these settings.")
-    kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume, overwrite)
+    kept = None if out is None else _ArmStore(out, _manifest(study, s, quick, arms), resume, overwrite, start)
     found = {} if kept is None else kept.found(arms, s.seeds)
     if found:
         log.info("resuming %s: %d of %d arms done in %s", study.name, len(found), len(arms), out)
@@ -623,10 +623,18 @@ class _ArmStore:
     """A study's finished arms in ``<out>/arms``: a manifest, then one JSON file per arm as it finishes, each saying
     which study, form, settings and arm it holds (checked on a resume, with the shape of its runs and curves)."""
 
-    def __init__(self, out: str | os.PathLike, manifest: dict[str, Any], resume: bool, overwrite: bool = False):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        manifest: dict[str, Any],
+        resume: bool,
+        overwrite: bool = False,
+        started: float | None = None,
+    ):
         out = errors.output_folder("out", out, "--out")
         self.folder, self.manifest = os.path.join(out, ARMS), manifest
-        self.started, self.earlier = time.perf_counter(), 0.0  # this session's clock; the earlier sessions' seconds
+        # This session's clock (from the run's start: its setup counts too), and the earlier sessions' seconds.
+        self.started, self.earlier = time.perf_counter() if started is None else started, 0.0
         path = os.path.join(self.folder, "study.json")
         if os.path.exists(path) and overwrite and not resume:
             shutil.rmtree(self.folder)  # the user said so: the unfinished run starts afresh

@@ -107,7 +107,7 @@ def drive(
     start = time.perf_counter()
     metrics.restart_clock(start)
     if evaluator is not None:
-        evaluator.start_clock(time.time() - metrics.earlier)  # (the records' clock: a resume's goes on)
+        evaluator.start_clock(time.time() - metrics.earlier, floor=metrics.earlier)  # (the records' clock)
     run = _Run(backend, c, metrics, evaluator, status, start)
     bar = tqdm(
         total=c.plan.num_updates,

@@ -203,9 +203,13 @@ def run(
         evaluator.warm_up(jax.device_get(params), jax.device_get(model_state))
     backend = _Ray(ray, config, assignment)
     status = backend.start(loss, rule, params, data, ex, model_state, header, evaluator is not None)
-    if config.out is not None:
-        os.makedirs(config.out, exist_ok=True)
-    metrics.open(config.out, status)
+    try:
+        if config.out is not None:
+            os.makedirs(config.out, exist_ok=True)
+        metrics.open(config.out, status)
+    except BaseException:  # (a full disk: the actors, started already, go; the checkpoint stays as it was)
+        backend.kill()
+        raise
     return driver.drive(backend, config, metrics, evaluator, status)
 
 
@@ -292,14 +296,15 @@ class _Ray:
         try:
             return ray.get(ref, timeout=max(1.0, deadline - time.perf_counter()))
         except ray.exceptions.GetTimeoutError:
-            self._kill()
+            self.kill()
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
             raise errors.RunStopped(
                 f"{what} did not start within {self.patience:g} s (free on the cluster: {free}): the cluster may "
                 f"lack room for {self.m} worker actors; free resources or use fewer --workers"
             ) from None
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """Ends every actor at once (a session that cannot go on)."""
         for actor in [*self.workers.values(), self.store]:
             self.ray.kill(actor)
 
@@ -346,5 +351,5 @@ class _Ray:
                     final = (final[0].followed_by(self.ray.get(self.store.progress.remote())), *final[1:])
             return final
         finally:
-            self._kill()
+            self.kill()
             self.running = {}

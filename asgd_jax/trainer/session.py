@@ -8,10 +8,12 @@ import this module and never each other; :func:`asgd_jax.trainer.train` picks on
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -175,14 +177,30 @@ class MetricsLog:
         :class:`~asgd_jax.trainer.messages.StoreStatus` at the start). A resume keeps the whole records of the updates
         its checkpoint holds (those of work the checkpoint lost, and a line a kill or a full disk cut short, go, as
         the trace's), and its records' times go on from the last kept one's."""
+        counts = dict(status.staleness_counts)
         if out_dir is not None:
             path = os.path.join(out_dir, METRICS)
             kept = _records_up_to(path, status.applied) if status.resumed_from else []
+            try:
+                if kept:
+                    checkpoint.write_json_lines(path, kept)
+                self._file = open(path, "a" if kept else "w")  # noqa: SIM115 (close())
+            except OSError as e:
+                raise errors.RunStopped(
+                    f"{errors.write_failure(e)}: {path} could not be written, and the session did not start; free "
+                    "some space and start it again (its checkpoint and metrics are as they were)"
+                ) from e
+            times = [r["time"] for r in kept if isinstance(r.get("time"), int | float) and math.isfinite(r["time"])]
+            self.earlier = max(times, default=0.0)
+            # The kept records' histograms are the baseline: the pushes between the last of them and the checkpoint
+            # (whose own record went with the work the checkpoint lost) are counted in the first new record.
             if kept:
-                checkpoint.write_json_lines(path, kept)
-                self.earlier = max(float(r.get("time") or 0.0) for r in kept)
-            self._file = open(path, "a" if kept else "w")  # noqa: SIM115 (close())
-        self._last = (time.perf_counter(), status.applied, self._pushes(status), dict(status.staleness_counts))
+                counts = collections.Counter()
+                for r in kept:
+                    if r.get("kind") != "eval" and isinstance(r.get("staleness_histogram"), dict):
+                        counts.update({int(k): int(v) for k, v in r["staleness_histogram"].items()})
+                counts = dict(counts)
+        self._last = (time.perf_counter(), status.applied, self._pushes(status), counts)
 
     def _pushes(self, status: StoreStatus) -> list[int]:
         """Each worker's pushes so far: its data position (in SSGD, every worker's is the rounds')."""
@@ -279,13 +297,14 @@ class Evaluator:
         self.device, self.write = device, write
         self.history: list[dict[str, float]] = []
         self._queue: queue.Queue = queue.Queue()
-        self._start = time.time()  # the run phase's start (start_clock): an evaluation's time counts from it
+        self._start, self._floor = time.time(), 0.0  # the run phase's clock (start_clock): evaluations' times
         self._thread: threading.Thread | None = None
 
-    def start_clock(self, start: float) -> None:
-        """The run phase starts at ``start`` (``time.time()``): an evaluation's ``time`` is when its snapshot was
-        taken, in seconds from then, the clock of the ``train`` records (not when the evaluation finished)."""
-        self._start = start
+    def start_clock(self, start: float, floor: float = 0.0) -> None:
+        """The run phase's clock reads 0 at ``start`` (``time.time()``; a resumed session's, ``floor`` there): an
+        evaluation's ``time`` is when its snapshot was taken on it, the clock of the ``train`` records (not when
+        the evaluation finished), never below ``floor``."""
+        self._start, self._floor = start, floor
 
     def warm_up(self, params, model_state) -> None:
         jax.block_until_ready(self.fn(*jax.device_put((params, model_state), self.device), self.data))
@@ -307,7 +326,7 @@ class Evaluator:
                 continue
             record = {
                 "update": version,
-                "time": max(0.0, taken - self._start),  # (a push the store applied as the driver's clock started)
+                "time": max(self._floor, taken - self._start),  # (a push applied as the driver's clock started)
                 **{k: float(v) for k, v in out.items()},
             }
             self.history.append(record)

@@ -59,7 +59,11 @@ def run(
     )
     endpoint = Endpoint(the_store, config.discipline, timeout=config.timeout)
     status = the_store.status()
-    metrics.open(config.out, status)
+    try:
+        metrics.open(config.out, status)
+    except BaseException:  # (a full disk: the store is closed, its checkpoint as it was)
+        the_store.close()
+        raise
     layouts = packing.layouts(params, model_state)
     setups = [
         WorkerSetup.of_run(config, w, ex, model_state is not None, layouts, in_process=True, assignment=assignment)
