@@ -69,6 +69,14 @@ class TensorBoard:
                 "TensorBoard event files need tensorboardX: pip install 'asgd_jax[tensorboard]' (or tensorboardX)."
             ) from None
 
+    def resume(self, after: int) -> None:
+        """The run goes on after update ``after`` (a resume's checkpoint): TensorBoard hides the events of later
+        updates written before (work a kill lost; tensorboardX's ``purge_step``). Call it before any record."""
+        from tensorboardX import SummaryWriter
+
+        self._writer.close()  # (it has written nothing yet: tensorboardX makes its file at the first event)
+        self._writer = SummaryWriter(logdir=self.folder, flush_secs=5, purge_step=int(after) + 1)
+
     def __call__(self, record: dict[str, Any]) -> None:
         step = int(record.get("update", 0))
         for tag, value in scalars(record).items():

@@ -82,6 +82,28 @@ def test_the_trainer_writes_every_record_to_tensorboard_and_to_the_callback(tmp_
     assert sum(len(v) for v in events.values()) == sum(len(writers.scalars(r)) for r in records)
 
 
+def test_a_resumed_run_hides_the_lost_updates_events_from_tensorboard(tmp_path):
+    """After a kill, events of updates past the checkpoint were written by work the checkpoint lost: a resume's event
+    file starts with tensorboardX's purge marker at the update after the checkpoint's, so TensorBoard hides them."""
+    from tensorboardX.proto import event_pb2
+
+    _train(tmp_path, tensorboard=True)()
+    config = asgd_jax.TrainConfig(
+        Plan(2, num_updates=260, batch_size=8), out=str(tmp_path), progress=False, tensorboard=True, resume=True
+    )
+    asgd_jax.train(lsq_loss, asgd_jax.asgd(0.05), W0, DATA, config, devices=jax.devices()[:2])
+    marks = []
+    for path in sorted((tmp_path / "tensorboard").rglob("events.out.tfevents.*")):
+        raw, at = path.read_bytes(), 0
+        while at < len(raw):
+            (length,) = struct.unpack("<Q", raw[at : at + 8])
+            event = event_pb2.Event.FromString(raw[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                marks.append(event.step)
+    assert marks == [201]  # the first session's events end at update 200 (its checkpoint): none hidden there
+
+
 def test_a_callback_that_raises_stops_the_run_keeping_its_checkpoint(tmp_path):
     def broken(record):
         if record["kind"] == "eval":

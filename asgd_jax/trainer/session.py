@@ -190,6 +190,10 @@ class MetricsLog:
                     f"{errors.write_failure(e)}: {path} could not be written, and the session did not start; free "
                     "some space and start it again (its checkpoint and metrics are as they were)"
                 ) from e
+            for sink in self.sinks if status.resumed_from else ():  # (TensorBoard hides the lost updates' events)
+                resume = getattr(sink, "resume", None)
+                if callable(resume):
+                    resume(status.applied)
             times = [r["time"] for r in kept if isinstance(r.get("time"), int | float) and math.isfinite(r["time"])]
             self.earlier = max(times, default=0.0)
             # The kept records' histograms are the baseline: the pushes between the last of them and the checkpoint
