@@ -412,8 +412,10 @@ def _train(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt as e:
         if os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
+            said = str(e).split("; resume=True")[0] or "interrupted"  # (the library's advice, in flags below)
             print(
-                f"asgd-jax: {e or 'interrupted'} (checkpoint in {config.out}; add --resume to continue)",
+                f"asgd-jax: {said} (checkpoint in {config.out}; `asgd-jax train --out {config.out} --resume` "
+                "continues it, with the run's flags)",
                 file=sys.stderr,
             )
         else:
