@@ -53,6 +53,19 @@ def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], hea
     _atomic_write(path, ".npz", "wb", lambda f: np.savez(f, **payload))
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` sets one to read it, for every thread at once);
+    0o022 where the system does not say (Linux says, in ``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def _atomic_write(path: str | os.PathLike, suffix: str, mode: str, write) -> None:
     """``write(file)`` into a temporary file beside ``path``, flushed to disk, then moved into place: a process killed
     mid-write leaves the previous file whole."""
@@ -61,6 +74,7 @@ def _atomic_write(path: str | os.PathLike, suffix: str, mode: str, write) -> Non
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() makes a file (mkstemp's are the owner's alone: 0600)
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()

@@ -366,3 +366,18 @@ def test_a_resumed_sessions_trace_times_go_on_from_the_last_kept_record(tmp_path
     times = [r["time"] for r in map(json.loads, (tmp_path / trace.FILE).read_text().splitlines())]
     assert times[:3] == [100.0, 101.0, 102.0] and 102.0 <= times[3] < 102.0 + 60, times
     assert trace.Writer(tmp_path / trace.FILE, 4).last_time == times[3]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_files_written_whole_have_the_modes_of_any_file_the_process_makes(tmp_path, umask):
+    """checkpoint.npz, summary.json, a study's results: written to a temporary file and renamed, which made them the
+    owner's alone (0600) whatever the umask; a group sharing a results folder could not read them."""
+    script = (
+        "import os, sys; os.umask(int(sys.argv[1], 8))\n"
+        "from asgd_jax import checkpoint\n"
+        "checkpoint.write_json(sys.argv[2] + '/a.json', {'x': 1})\n"
+        "open(sys.argv[2] + '/b.txt', 'w').close()\n"
+    )
+    subprocess.run([sys.executable, "-c", script, oct(umask), str(tmp_path)], check=True)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"a.json": 0o666 & ~umask, "b.txt": 0o666 & ~umask}
