@@ -67,8 +67,8 @@ def environment() -> dict[str, Any]:
 
 def describe(env: dict[str, Any] | None) -> str:
     """One line of an :func:`environment` (as a results file holds it), e.g. ``asgd_jax 0.1.0 (commit 1a2b3c4), jax
-    0.10.2, 8 cpu devices, x86_64``; ``"not recorded"`` for results written before it was."""
+    0.10.2, 8 cpu devices, x86_64``; ``"an asgd_jax that did not record it"`` for results written before it was."""
     if not env:
-        return "not recorded"
+        return "an asgd_jax that did not record it"
     made = f"asgd_jax {env.get('asgd_jax', '?')}" + (f" (commit {env['commit']})" if env.get("commit") else "")
     return f"{made}, jax {env.get('jax', '?')}, {env.get('devices', '?')} device(s), {env.get('machine', '?')}"

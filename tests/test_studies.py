@@ -81,6 +81,10 @@ def test_a_seeded_study_gives_identical_numbers_twice_and_a_report(tmp_path):
     assert env["asgd_jax"] == asgd_jax.__version__ and env["jax"] == jax.__version__
     assert env["commit"] == provenance.commit() and f"Produced by {provenance.describe(env)}." in text
     assert text.count(provenance.describe(env)) == 2  # and the report's header: made by the same
+    older = {k: v for k, v in saved.items() if k != "environment"}  # results from before it was recorded
+    (tmp_path / "lam" / "results.json").write_text(json.dumps(older))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "Produced by an asgd_jax that did not record it." in (tmp_path / "report.md").read_text()
 
 
 def test_the_commit_is_the_checkout_asgd_jax_is_imported_from_not_the_working_folders(tmp_path):
