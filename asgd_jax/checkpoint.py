@@ -12,8 +12,8 @@ import contextlib
 import json
 import os
 import queue
-import tempfile
 import threading
+import uuid
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -53,28 +53,16 @@ def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], hea
     _atomic_write(path, ".npz", "wb", lambda f: np.savez(f, **payload))
 
 
-def _umask() -> int:
-    """The process's umask, read without changing it (``os.umask`` sets one to read it, for every thread at once);
-    0o022 where the system does not say (Linux says, in ``/proc/self/status``)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
 def _atomic_write(path: str | os.PathLike, suffix: str, mode: str, write) -> None:
     """``write(file)`` into a temporary file beside ``path``, flushed to disk, then moved into place: a process killed
     mid-write leaves the previous file whole."""
     path = os.fspath(path)
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
+    # The modes any file of the process gets (the umask, a folder's default ACL): mkstemp's are the owner's alone.
+    tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}{suffix}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() makes a file (mkstemp's are the owner's alone: 0600)
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 from typing import Any
 
 from asgd_jax import errors
@@ -54,10 +55,9 @@ class TensorBoard:
 
     def __init__(self, folder: str | os.PathLike):
         self.check()
-        from tensorboardX import SummaryWriter
-
         self.folder = os.fspath(folder)
-        self._writer = SummaryWriter(logdir=self.folder, flush_secs=5)
+        self._purge_step: int | None = None
+        self._writer: Any = None  # a SummaryWriter, made at the first record (tensorboardX makes its file then)
 
     @staticmethod
     def check() -> None:
@@ -72,15 +72,21 @@ class TensorBoard:
     def resume(self, after: int) -> None:
         """The run goes on after update ``after`` (a resume's checkpoint): TensorBoard hides the events of later
         updates written before (work a kill lost; tensorboardX's ``purge_step``). Call it before any record."""
-        from tensorboardX import SummaryWriter
-
-        self._writer.close()  # (it has written nothing yet: tensorboardX makes its file at the first event)
-        self._writer = SummaryWriter(logdir=self.folder, flush_secs=5, purge_step=int(after) + 1)
+        self._purge_step = int(after) + 1
 
     def __call__(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            # A file of its own: tensorboardX names it by the second, and a writer of the same second (a resume at
+            # once) would otherwise truncate the earlier session's file.
+            self._writer = SummaryWriter(
+                logdir=self.folder, flush_secs=5, purge_step=self._purge_step, filename_suffix=f".{uuid.uuid4().hex}"
+            )
         step = int(record.get("update", 0))
         for tag, value in scalars(record).items():
             self._writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()

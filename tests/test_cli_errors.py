@@ -283,3 +283,26 @@ def test_the_command_line_starts_without_jax_so_its_ctrl_c_handler_comes_first()
         assert getattr(asgd_jax, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = asgd_jax.nope
+
+
+def test_ctrl_c_mid_run_says_the_command_that_continues_it_once(tmp_path, capsys, monkeypatch):
+    """The library's KeyboardInterrupt ends with its own advice (resume=True); the command line gives its own alone,
+    with the folder quoted and the flags a resume does not take from the run's record."""
+    import asgd_jax.trainer
+    from asgd_jax.trainer.session import CHECKPOINT, RESUME_ADVICE
+
+    out = tmp_path / "a run"
+
+    def interrupted(*args, **kwargs):
+        (out / CHECKPOINT).write_bytes(b"")  # (as the run's last checkpoint)
+        raise KeyboardInterrupt(f"training interrupted at update 7; {RESUME_ADVICE}")
+
+    monkeypatch.setattr(asgd_jax.trainer, "train", interrupted)
+    out.mkdir()
+    argv = ["train", "--dataset", "digits", "--out", str(out), "--data-dir", "/data/tf ds", "--no-progress"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"asgd-jax: training interrupted at update 7 (checkpoint in {out}; `asgd-jax train --out '{out}' --resume "
+        "--data-dir '/data/tf ds'` continues it, with the run's flags)"
+    ]

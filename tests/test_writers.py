@@ -102,6 +102,9 @@ def test_a_resumed_run_hides_the_lost_updates_events_from_tensorboard(tmp_path):
             if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
                 marks.append(event.step)
     assert marks == [201]  # the first session's events end at update 200 (its checkpoint): none hidden there
+    assert len(list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))) == 2  # one a session, none empty
+    steps = {step for events in read_events(tmp_path / "tensorboard").values() for step, _ in events}
+    assert min(steps) <= 200 < max(steps)  # the first session's events kept (a same-second file truncated them)
 
 
 def test_a_callback_that_raises_stops_the_run_keeping_its_checkpoint(tmp_path):

@@ -412,12 +412,8 @@ def _train(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt as e:
         if os.path.exists(os.path.join(config.out, session.CHECKPOINT)):
-            said = str(e).split("; resume=True")[0] or "interrupted"  # (the library's advice, in flags below)
-            print(
-                f"asgd-jax: {said} (checkpoint in {config.out}; `asgd-jax train --out {config.out} --resume` "
-                "continues it, with the run's flags)",
-                file=sys.stderr,
-            )
+            said = str(e).removesuffix(f"; {session.RESUME_ADVICE}") or "interrupted"  # (said below, in flags)
+            print(f"asgd-jax: {said} (checkpoint in {config.out}; {_resume_command(args)})", file=sys.stderr)
         else:
             print("asgd-jax: interrupted before the first checkpoint: nothing to resume", file=sys.stderr)
         return 130
@@ -427,6 +423,18 @@ def _train(args: argparse.Namespace) -> int:
         print(f"asgd-jax: {e}. {kept} summary.json {'are' if saved else 'is'} in {config.out}.", file=sys.stderr)
         return 1
     return _report(result, config, ds.num_classes, args.lr)
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command that continues ``args``'s run: its folder, and the flags a resume does not take from its record
+    (:data:`SESSION_FLAGS`) where they were given."""
+    import shlex
+
+    words = ["asgd-jax", "train", "--out", args.out, "--resume"]
+    for name in ("data_dir", "ray_address"):
+        if getattr(args, name, None) is not None:
+            words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return f"`{shlex.join(words)}` continues it, with the run's flags"
 
 
 def _report(result: Any, config: Any, num_classes: int, lr: float) -> int:

@@ -24,7 +24,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from asgd_jax import cache, checkpoint, errors, exchange, provenance, trace
+from asgd_jax import cache, checkpoint, errors, exchange, provenance, trace, writers
 from asgd_jax.trainer.messages import Snapshot, StoreStatus, WorkerStats
 
 __all__ = [
@@ -44,6 +44,7 @@ SUMMARY = "summary.json"
 TRACE = trace.FILE
 CHECKPOINT = "checkpoint.npz"
 LOCK = ".lock"
+RESUME_ADVICE = "resume=True continues"  # (the end of an interrupted run's KeyboardInterrupt: the CLI says it its way)
 
 
 class RunLock:
@@ -185,15 +186,14 @@ class MetricsLog:
                 if kept:
                     checkpoint.write_json_lines(path, kept)
                 self._file = open(path, "a" if kept else "w")  # noqa: SIM115 (close())
+                for sink in self.sinks if status.resumed_from else ():  # TensorBoard hides the lost updates' events
+                    if isinstance(sink, writers.TensorBoard):
+                        sink.resume(status.applied)
             except OSError as e:
                 raise errors.RunStopped(
                     f"{errors.write_failure(e)}: {path} could not be written, and the session did not start; free "
                     "some space and start it again (its checkpoint and metrics are as they were)"
                 ) from e
-            for sink in self.sinks if status.resumed_from else ():  # (TensorBoard hides the lost updates' events)
-                resume = getattr(sink, "resume", None)
-                if callable(resume):
-                    resume(status.applied)
             times = [r["time"] for r in kept if isinstance(r.get("time"), int | float) and math.isfinite(r["time"])]
             self.earlier = max(times, default=0.0)
             # The kept records' histograms are the baseline: the pushes between the last of them and the checkpoint
@@ -419,7 +419,7 @@ def finish(
     if out_dir is not None:
         _write_summary(out_dir, result, outcome, args)
     if outcome.interrupted:
-        raise KeyboardInterrupt(f"training interrupted at update {s.applied}; resume=True continues")
+        raise KeyboardInterrupt(f"training interrupted at update {s.applied}; {RESUME_ADVICE}")
     if s.error is not None:
         raise errors.RunStopped(f"training stopped at update {s.applied}: {s.error}")
     if metrics.error is not None:  # a sink that failed on the last records (the final evaluations): said, not lost
