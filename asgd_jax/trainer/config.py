@@ -32,10 +32,10 @@ class TrainConfig:
     optimal-time method over M workers, ``Ringmaster(M, R, stops=)``, ``Rennala(M, S, stops=)``, ``MSync(M, m)``,
     whose ignores, stops and rounds the store and the workers carry out for real), the budget,
     the batch, the exchange pattern (``mode``, ``n_sync``, ``push``, ``local_lr``) and the cadence (``eval_every``,
-    ``checkpoint_every``). Every field of the plan and of this class is a flag of ``asgd-jax train`` with the same name
-    (``--workers M`` for the plan's delays, with ``--ringmaster R``, ``--rennala S``, ``--msync m`` and ``--stops``;
-    ``progress=False`` is ``--no-progress``; ``--steps`` is an alias of
-    ``--num-updates``); a TOML or JSON ``--config`` file uses the same names. The model, data and rule are
+    ``checkpoint_every``). Every field of the plan and of this class but ``args`` is a flag of ``asgd-jax train``
+    with the same name (``--workers M`` for the plan's delays, with ``--ringmaster R``, ``--rennala S``, ``--msync m``
+    and ``--stops``; ``progress=False`` is ``--no-progress``; ``--steps`` is an alias of ``--num-updates``); a TOML
+    or JSON ``--config`` file uses the same names. The model, data and rule are
     :func:`asgd_jax.trainer.train`'s other arguments.
 
     Attributes:
