@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/asgd-jax ablate --quick --model cnn --lr 0.2 --epochs 10 --out results/demo
+	$(BIN)/asgd-jax ablate --quick --model cnn --lr 0.2 --epochs 10 --out results/demo --overwrite
 
 # The house rules first (seconds), then the suite.
 test: $(STAMP)

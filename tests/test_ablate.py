@@ -138,3 +138,43 @@ def test_cli_reports_user_errors_without_a_traceback(capsys):
     assert main(["ablate", "--workers", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("asgd-jax: error: workers=[0]") and "Traceback" not in err
+
+
+def test_cli_ablate_keeps_its_arms_finishes_a_killed_run_and_never_replaces_others_results(tmp_path, capsys):
+    """As ``asgd-jax run``: arms kept in --out as they finish, --resume runs only the missing ones, and a folder
+    holding an unfinished run or another study's results is refused in one line (it was silently replaced)."""
+    flags = [
+        "--dataset",
+        "digits",
+        "--workers",
+        "1,2",
+        "--seeds",
+        "1",
+        "--epochs",
+        "0.5",
+        "--algorithms",
+        "sgd",
+        "asgd",
+    ]
+    argv = ["ablate", *flags, "--no-progress", "--out", str(tmp_path / "a")]
+    study = studies.load("dcasgd_table1")
+    settings = dataclasses.replace(
+        study.form("ablate"), dataset="digits", workers=(1, 2), seeds=(0,), epochs=0.5, algorithms=("sgd", "asgd")
+    )
+
+    def killed(arm, runs, curves):
+        raise KeyboardInterrupt  # after the first arm
+
+    with pytest.raises(KeyboardInterrupt):
+        studies.run(study, settings=settings, progress=False, out=tmp_path / "a", on_arm=killed)
+    assert main(argv) == 2 and "holds an unfinished run of study 'dcasgd_table1'" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0
+    assert "| M | SGD | ASGD |" in capsys.readouterr().out and not (tmp_path / "a" / "arms").exists()
+    saved = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert {(r["label"], r["M"]) for r in saved["runs"]} == {("SGD", 1), ("ASGD", 2)}
+    # Another ablation's settings there: refused in one line, replaced with --overwrite.
+    other = ["ablate", *flags[:-3], "--algorithms", "sgd", "--no-progress", "--out", str(tmp_path / "a")]
+    assert main(other) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "other settings" in err and "--overwrite" in err, err
+    assert main([*other, "--overwrite"]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from asgd_jax import errors
@@ -58,6 +59,12 @@ def add_ablate(sub) -> None:
     )
     p.add_argument("--window", type=int, default=None, help="training-error smoothing window [400; --quick: 100]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true", help="finish an ablation killed midway: run only the missing arms")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what --out holds: another study's (or other settings') results, or an unfinished run",
+    )
     p.set_defaults(func=_ablate)
 
 
@@ -105,8 +112,19 @@ def _ablate(args: argparse.Namespace) -> int:
         f"{'quick' if args.quick else 'full'} form; loading data and compiling...",
         flush=True,
     )
-    result = studies.ablate(quick=args.quick, progress=not args.no_progress, **overrides)
-    paths = studies.save(result, args.out, plots=("panels",))
+    try:  # each arm kept in --out as it finishes: a killed ablation resumes (--resume)
+        result = studies.ablate(
+            quick=args.quick,
+            progress=not args.no_progress,
+            out=args.out,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            **overrides,
+        )
+        paths = studies.save(result, args.out, plots=("panels",))
+    except errors.RunStopped as e:  # a full disk: what is kept and how to finish, in one line
+        print(f"asgd-jax: {e}.", file=sys.stderr)
+        return 1
     seeds = len(result.settings.seeds)
     print(f"\n{studies.format_table(result.study, result.runs, seeds)}\n\n({result.seconds:.0f} s)")
     print("Wrote " + ", ".join(paths.values()))

@@ -780,12 +780,21 @@ def _differences(saved: Any, now: Any, where: str = "", then: str = "then", here
     return [] if saved == now else [f"{where.lstrip('.')}: {saved!r} {then}, {now!r} {here}"]
 
 
-def ablate(*, quick: bool = False, progress: bool = True, **overrides: Any) -> StudyResult:
+def ablate(
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    **overrides: Any,
+) -> StudyResult:
     """DC-ASGD's Table 1 in miniature: the ``dcasgd_table1`` study in its ``ablate`` form (mnist1d MLP, 40 effective
     epochs, 5 seeds; ``quick``: 15 epochs, 3 seeds), with ``overrides`` of its settings (``workers``,
     ``algorithms``, ``seeds``, ``epochs``, ``learning_rate``, ``lam_c``, ``lam_a``, ``dataset``, ...: the study's
-    ``DCSettings``). What
-    ``asgd-jax ablate`` and ``make demo`` run."""
+    ``DCSettings``). What ``asgd-jax ablate`` and ``make demo`` run. ``out``, ``resume`` and ``overwrite`` are
+    :func:`run`'s: each arm kept as it finishes, a killed ablation finished, another's results never replaced
+    unasked."""
     study = load("dcasgd_table1")
     settings = dataclasses.replace(study.form("ablate-quick" if quick else "ablate"), **overrides)
-    return run(study, quick=quick, progress=progress, settings=settings)
+    return run(study, quick=quick, progress=progress, settings=settings, out=out, resume=resume, overwrite=overwrite)
