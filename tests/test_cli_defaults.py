@@ -84,7 +84,8 @@ def test_asgd_jax_ablate_with_no_flags_is_the_ablate_form():
     as_field = {"lr": ("learning_rate", float), "workers": ("workers", lambda v: tuple(map(int, v)))}
     as_field["algorithms"] = ("algorithms", tuple)
     for dest in vars(args):
-        if dest in ("func", "top_parser", "quick", "out", "no_progress", "seeds", "epochs", "window"):
+        skip = ("func", "top_parser", "quick", "out", "no_progress", "seeds", "epochs", "window")
+        if dest in (*skip, "resume", "overwrite"):  # (the last two: what to do with --out, not settings)
             continue
         name, convert = as_field.get(dest, (dest, lambda v: v))
         assert convert(getattr(args, dest)) == getattr(form, name), dest
