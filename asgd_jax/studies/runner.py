@@ -636,8 +636,10 @@ class _ArmStore:
         # This session's clock (from the run's start: its setup counts too), and the earlier sessions' seconds.
         self.started, self.earlier = time.perf_counter() if started is None else started, 0.0
         path = os.path.join(self.folder, "study.json")
-        if os.path.exists(path) and overwrite and not resume:
-            shutil.rmtree(self.folder)  # the user said so: the unfinished run starts afresh
+        if os.path.exists(path) and not resume and (overwrite or not self._numbered()):
+            # The user said so, or the unfinished run finished no arm (it stopped before: a dataset not prepared yet,
+            # Ctrl-C while compiling): nothing to keep, it starts afresh.
+            shutil.rmtree(self.folder)
         if not os.path.exists(path):
             check_replace(out, manifest["study"], manifest["quick"], manifest["settings"], overwrite)
             self._write(path, manifest, "no arm has run yet: free some space and run the study again")
