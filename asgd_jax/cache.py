@@ -35,10 +35,8 @@ Example:
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
-import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Mapping
@@ -142,16 +140,12 @@ def atomic_entries(where: str | None = None) -> bool:
         local = os.path.isdir(str(self.path)) and "://" not in str(self.path)
         if getattr(self, "eviction_enabled", True) or not key or not local:
             return jax_put(self, key, value)
+        from asgd_jax import checkpoint  # (a process that writes JAX's cache has JAX, and so this, loaded)
+
+        # Whole, or not there (a racing writer's equal entry is simply replaced); no fsync: an entry lost to a power
+        # cut is compiled again.
         path = os.path.join(str(self.path), f"{key}{suffix}")
-        tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"  # this write's own (a shared cache may have other writers)
-        try:
-            with open(tmp, "xb") as f:
-                f.write(value)
-            os.replace(tmp, path)  # whole, or not there (and a racing writer's equal entry is simply replaced)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
+        checkpoint.atomic_write(path, lambda f: f.write(value), suffix=TMP_SUFFIX, fsync=False)
 
     put.atomic = True  # type: ignore[attr-defined]
     cls.put = put

@@ -26,6 +26,7 @@ from asgd_jax import errors
 
 __all__ = [
     "Writer",
+    "atomic_write",
     "load",
     "load_model",
     "read_header",
@@ -50,38 +51,42 @@ def save(path: str | os.PathLike, state: Any, arrays: dict[str, np.ndarray], hea
     payload.update({f"array_{k}": np.asarray(v) for k, v in arrays.items()})
     payload[_HEADER] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     payload[_DTYPES] = np.frombuffer(json.dumps([str(x.dtype) for x in leaves]).encode(), np.uint8)
-    _atomic_write(path, ".npz", "wb", lambda f: np.savez(f, **payload))
+    atomic_write(path, lambda f: np.savez(f, **payload), suffix=".npz")
 
 
-def _atomic_write(path: str | os.PathLike, suffix: str, mode: str, write) -> None:
-    """``write(file)`` into a temporary file beside ``path``, flushed to disk, then moved into place: a process killed
-    mid-write leaves the previous file whole."""
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[Any], Any], *, mode: str = "wb", suffix: str = "", fsync: bool = True
+) -> None:
+    """``write(file)`` into a temporary file beside ``path`` (``.tmp-<random><suffix>``), flushed to disk (unless not
+    ``fsync``), then moved into place: a process killed, or a disk filled, mid-write leaves the previous file whole,
+    or none, never half of one. The file gets the modes any file of the process gets (the umask, a folder's default
+    ACL; mkstemp's are the owner's alone)."""
     path = os.fspath(path)
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    # The modes any file of the process gets (the umask, a folder's default ACL): mkstemp's are the owner's alone.
-    tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}{suffix}")
+    tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}{suffix}")  # this write's own (other writers may share it)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
 
 
 def write_json(path: str | os.PathLike, value: Any) -> None:
     """Writes ``value`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename)."""
-    _atomic_write(path, ".json", "w", lambda f: json.dump(value, f, indent=1, default=str))
+    atomic_write(path, lambda f: json.dump(value, f, indent=1, default=str), mode="w", suffix=".json")
 
 
 def write_json_lines(path: str | os.PathLike, records: list[Any]) -> None:
     """Writes ``records`` as JSON lines (one ``json.dumps`` each) to ``path`` atomically, as :func:`write_json`."""
-    _atomic_write(path, ".jsonl", "w", lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w", suffix=".jsonl")
 
 
 def read_json(path: str | os.PathLike) -> Any:

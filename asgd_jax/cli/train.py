@@ -282,9 +282,10 @@ def train_config(args: argparse.Namespace):
     return TrainConfig(plan, **values, slowdown=_parse_slowdown(args.slowdown))
 
 
-SESSION_FLAGS = ("config", "resume", "out", "timeout", "progress", "ray_address", "data_dir")
-"""The flags of one session of a run (or of the machine it runs on), not of the run: ``--resume`` takes every other
-flag from the run's record."""
+MACHINE_FLAGS = ("data_dir", "ray_address")
+"""Flags of the machine a session runs on (where the data lies, which cluster): a resume gives them again."""
+SESSION_FLAGS = ("config", "resume", "out", "timeout", "progress", *MACHINE_FLAGS)
+"""The flags of one session of a run, not of the run: ``--resume`` takes every other flag from the run's record."""
 
 
 def run_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -426,12 +427,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _resume_command(args: argparse.Namespace) -> str:
-    """The command that continues ``args``'s run: its folder, and the flags a resume does not take from its record
-    (:data:`SESSION_FLAGS`) where they were given."""
+    """The command that continues ``args``'s run: its folder, and the machine's flags (:data:`MACHINE_FLAGS`, which a
+    resume does not take from the run's record) where they were given."""
     import shlex
 
     words = ["asgd-jax", "train", "--out", args.out, "--resume"]
-    for name in ("data_dir", "ray_address"):
+    for name in MACHINE_FLAGS:
         if getattr(args, name, None) is not None:
             words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return f"`{shlex.join(words)}` continues it, with the run's flags"
